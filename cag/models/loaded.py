@@ -1,0 +1,190 @@
+"""A loaded model with what `cag` needs around it: text → `KVChunk` → cache.
+
+`LoadedModel` is the one object the rest of `cag` passes around for a model: the
+transformers model and tokenizer, its family adapter, its fingerprint, and the
+attention-sink prefix its chunks are prefilled after.
+
+The attention sink: models put a large share of attention on the first token of
+a sequence. A chunk prefilled on its own would make its first real token that
+sink; instead every chunk is prefilled after the model's sink prefix (its BOS
+token by default), and the prefix's own states are dropped. When chunks are
+assembled, one shared prefix is placed once in front of them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from cag.kv import ForeignModelError, KVChunk, ModelFingerprint, text_sha256
+from cag.models.adapters import FamilyAdapter, adapter_for
+from cag.models.fingerprint import fingerprint, state_dict_hash
+
+
+class EmptyChunkError(ValueError):
+    """A text that tokenizes to nothing cannot be a chunk."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: PreTrainedModel
+    tokenizer: Any
+    adapter: FamilyAdapter
+    fingerprint: ModelFingerprint
+    sink_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_pretrained(cls, model: PreTrainedModel, tokenizer, *, name: str,
+                        weights_hash: str | None = None,
+                        sink_ids: Sequence[int] | None = None) -> "LoadedModel":
+        """Wrap a transformers model and its (fast) tokenizer.
+
+        `weights_hash`: a hash of the weight files when the caller has one (the
+        registry records the GGUF's SHA-256); otherwise the state dict is hashed.
+        `sink_ids`: the prefix chunks are prefilled after; default the BOS token.
+        """
+        model.eval()
+        adapter = adapter_for(model)
+        if sink_ids is None:
+            bos = tokenizer.bos_token_id
+            sink_ids = [bos] if bos is not None else []
+        fp = fingerprint(
+            model, tokenizer, family=adapter.family,
+            geometry=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim),
+            weights_hash=weights_hash or state_dict_hash(model), name=name,
+        )
+        return cls(name=name, model=model, tokenizer=tokenizer, adapter=adapter,
+                   fingerprint=fp, sink_ids=list(sink_ids))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ----------------------------------------------------------- text → chunk
+
+    def tokenize(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and character offsets of `text`, no special tokens added."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+        offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+        return ids, offsets
+
+    def prefill(self, text: str, *, settings: dict[str, Any] | None = None) -> KVChunk:
+        """Prefill `text` after the sink prefix into a position-free `KVChunk`."""
+        ids, offsets = self.tokenize(text)
+        if ids.numel() == 0:
+            raise EmptyChunkError("text tokenizes to no tokens; an empty chunk has no cache")
+        return self.prefill_tokens(ids, offsets=offsets, text_hash=text_sha256(text),
+                                   settings=settings)
+
+    @torch.inference_mode()
+    def prefill_batch(self, texts: Sequence[str], *, settings: dict[str, Any] | None = None) -> list[KVChunk]:
+        """Prefill several texts in one forward; equal to `prefill` on each, up to rounding.
+
+        Sequences are right-padded: a causal model never lets a real token see
+        the padding after it, and positions still start at 0 for every row, so
+        each row's states are those of its own prefill.
+        """
+        if len(texts) == 1:
+            return [self.prefill(texts[0], settings=settings)]
+        encoded = [self.tokenize(t) for t in texts]
+        for (ids, _), text in zip(encoded, texts):
+            if ids.numel() == 0:
+                raise EmptyChunkError(f"text {text[:40]!r} tokenizes to no tokens")
+        sink = torch.tensor(self.sink_ids, dtype=torch.long)
+        rows = [torch.cat([sink, ids]) for ids, _ in encoded]
+        width = max(r.numel() for r in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batch = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            batch[i, : r.numel()] = r
+            mask[i, : r.numel()] = 1
+        out = self.model(input_ids=batch.to(self.device), attention_mask=mask.to(self.device),
+                         past_key_values=DynamicCache(), use_cache=True)
+        layers = out.past_key_values.layers
+        all_keys = torch.stack([layer.keys for layer in layers], dim=1)  # [batch, layers, heads, tokens, dim]
+        all_values = torch.stack([layer.values for layer in layers], dim=1)
+        n_sink = sink.numel()
+        chunks = []
+        for i, ((ids, offsets), text) in enumerate(zip(encoded, texts)):
+            end = n_sink + ids.numel()
+            keys = self.adapter.derotate(all_keys[i, :, :, n_sink:end], torch.arange(n_sink, end))
+            chunks.append(KVChunk(keys.contiguous(), all_values[i, :, :, n_sink:end].contiguous(), ids,
+                                  offsets, text_sha256(text), self.fingerprint,
+                                  {"sink_ids": list(self.sink_ids), **(settings or {})}))
+        return chunks
+
+    def prefix_chunk(self) -> KVChunk:
+        """The shared sink prefix itself as a chunk (placed once, at position 0)."""
+        if not self.sink_ids:
+            raise EmptyChunkError(f"{self.name} has no sink prefix")
+        ids = torch.tensor(self.sink_ids, dtype=torch.long)
+        return self.prefill_tokens(ids, sink_ids=[], text_hash=text_sha256(""),
+                                   settings={"role": "prefix"})
+
+    @torch.inference_mode()
+    def prefill_tokens(self, ids: torch.Tensor, *, offsets: torch.Tensor | None = None,
+                       text_hash: str, sink_ids: Sequence[int] | None = None,
+                       settings: dict[str, Any] | None = None) -> KVChunk:
+        sink = list(self.sink_ids if sink_ids is None else sink_ids)
+        full = torch.cat([torch.tensor(sink, dtype=torch.long), ids.to(torch.long)])
+        # A config-less DynamicCache keeps every token in every layer: the model
+        # still masks its sliding layers by the window, but nothing is evicted
+        # from the cache, so a chunk longer than the window is stored whole.
+        out = self.model(input_ids=full[None].to(self.device), past_key_values=DynamicCache(),
+                         use_cache=True)
+        keys, values = self.adapter.cache_tensors(out.past_key_values)
+        n_sink = len(sink)
+        positions = torch.arange(n_sink, full.numel())
+        keys = self.adapter.derotate(keys[:, :, n_sink:], positions)
+        values = values[:, :, n_sink:]
+        if offsets is None:
+            offsets = torch.zeros(ids.numel(), 2, dtype=torch.long)
+        chunk_settings = {"sink_ids": sink, **(settings or {})}
+        return KVChunk(keys.contiguous(), values.contiguous(), ids.to(torch.long), offsets,
+                       text_hash, self.fingerprint, chunk_settings)
+
+    # ---------------------------------------------------------- chunk → cache
+
+    def check_chunk(self, chunk: KVChunk) -> None:
+        if chunk.model.id != self.fingerprint.id:
+            raise ForeignModelError(
+                f"chunk was computed by {chunk.model.describe()}, "
+                f"not by {self.fingerprint.describe()}; translate it with a mapper first"
+            )
+
+    def build_cache(self, chunks: Sequence[KVChunk]) -> DynamicCache:
+        """A transformers cache holding `chunks` back to back from position 0.
+
+        Keys are re-rotated at their new positions. Pass the result as
+        ``past_key_values=`` to ``model(...)`` or ``model.generate(...)`` together
+        with the tokens that follow it; `context_ids(chunks)` gives the ids the
+        cache stands for (``generate`` wants them in front of the new tokens).
+        """
+        if not chunks:
+            raise ValueError("no chunks to place")
+        for chunk in chunks:
+            self.check_chunk(chunk)
+        keys = torch.cat([c.keys for c in chunks], dim=2)
+        values = torch.cat([c.values for c in chunks], dim=2)
+        total = keys.shape[2]
+        self.adapter.check_placement(total)
+        # transformers derives every later position from the cache's length, so
+        # the cache covers positions 0..total-1: the shared prefix chunk goes first.
+        positions = torch.arange(total)
+        keys = self.adapter.rotate(keys.to(self.dtype), positions)
+        return self.adapter.fill_cache(keys, values.to(self.dtype))
+
+    @staticmethod
+    def context_ids(chunks: Sequence[KVChunk]) -> torch.Tensor:
+        return torch.cat([c.token_ids for c in chunks])
