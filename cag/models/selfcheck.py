@@ -93,7 +93,7 @@ class SelfCheckReport:
 def _check_ids(loaded) -> torch.Tensor:
     """Sink prefix + check text, long enough to pass the sliding window."""
     window = loaded.adapter.sliding_window if "sliding_attention" in loaded.adapter.layer_types else 0
-    want = max(300, window + 64) + CONTINUATION_TOKENS
+    want = max(200, window + 64) + CONTINUATION_TOKENS
     ids, _ = loaded.tokenize(CHECK_TEXT)
     repeats = -(-want // max(1, ids.numel()))
     ids, _ = loaded.tokenize(CHECK_TEXT * repeats)
@@ -129,13 +129,19 @@ def run_selfcheck(loaded, *, seed: int = 0) -> SelfCheckReport:
     context, continuation = ids[:-CONTINUATION_TOKENS], ids[-CONTINUATION_TOKENS:]
     full = model(input_ids=ids[None]).logits[0, -CONTINUATION_TOKENS:]
     prefilled = model(input_ids=context[None], past_key_values=DynamicCache(config=model.config),
-                      use_cache=True)
-    native = model(input_ids=continuation[None], past_key_values=prefilled.past_key_values).logits[0]
+                      use_cache=True).past_key_values
+    if all(layer.keys.shape[-2] == context.numel() for layer in prefilled.layers):
+        # Nothing was evicted, so these are the tensors check 3 needs; take them
+        # before the continuation below appends to the cache in place.
+        k, v = adapter.cache_tensors(prefilled)
+    else:
+        # A sliding window dropped tokens: prefill again into a cache that keeps all.
+        raw = model(input_ids=context[None], past_key_values=DynamicCache(), use_cache=True)
+        k, v = adapter.cache_tensors(raw.past_key_values)
+    native = model(input_ids=continuation[None], past_key_values=prefilled).logits[0]
     native_diff = _max_abs(native, full)
 
     # 3. the same context through a KVChunk round trip (fp32 storage).
-    raw = model(input_ids=context[None], past_key_values=DynamicCache(), use_cache=True)
-    k, v = adapter.cache_tensors(raw.past_key_values)
     positions = torch.arange(context.numel())
     chunk = KVChunk(adapter.derotate(k, positions), v, context, torch.zeros(context.numel(), 2, dtype=torch.long),
                     text_sha256(CHECK_TEXT), loaded.fingerprint, {"role": "selfcheck"})
