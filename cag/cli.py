@@ -3,6 +3,8 @@
     cag models list [--json]
     cag models install [NAMES...]
     cag models verify [NAMES...] [--json]
+    cag build CORPUS --store DIR [--source MODEL] [--chunk-tokens N] [--batch N] [--json]
+    cag store stats|verify|gc DIR [--json]
 
 Errors go to stderr with exit code 1; ``--json`` output goes to stdout, one
 object per line, so it can be piped.
@@ -14,6 +16,7 @@ import json
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -27,6 +30,8 @@ app = typer.Typer(help="Cache-augmented generation: KV chunk caches shared acros
 models_app = typer.Typer(help="The packaged models: list, install (convert), verify.",
                          no_args_is_help=True)
 app.add_typer(models_app, name="models")
+store_app = typer.Typer(help="Inspect and maintain a document cache store.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
 
 out = Console()
 err = Console(stderr=True)
@@ -37,7 +42,7 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="One JSON object per line
 
 
 def _fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 
@@ -88,7 +93,7 @@ def models_install(names: Names = None) -> None:
             path = registry.install(name, console=err)
             err.print(f"{name}: ready in {time.perf_counter() - t0:.1f} s")
         except registry.ModelError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False)
+            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
             failed = True
     if failed:
         raise typer.Exit(1)
@@ -122,7 +127,9 @@ def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "[green]yes[/]" if v else "[red]no[/]"
     if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.4f}".rstrip("0").rstrip(".")
+        if abs(v) >= 1e4:
+            return f"{v:,.0f}"
+        return f"{v:.3g}" if abs(v) < 1e-2 else f"{v:.4f}".rstrip("0").rstrip(".")
     if isinstance(v, list):
         return "\n".join(map(str, v))
     return str(v)
@@ -141,7 +148,7 @@ def models_verify(names: Names = None, as_json: JsonFlag = False) -> None:
                     row = _verify_one(name)
         except Exception as e:  # report every model, then fail
             row = {"model": name, "passed": False, "error": f"{type(e).__name__}: {e}"}
-            err.print(f"[bold red]error:[/] {name}: {row['error']}", highlight=False)
+            err.print(f"[bold red]error:[/] {name}: {row['error']}", highlight=False, soft_wrap=True)
         rows.append(row)
         if as_json:
             print(json.dumps(row, default=str), flush=True)
@@ -167,6 +174,161 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     for k in keys:
         table.add_row(k, *(_fmt(r[k]) if k in r else "" for r in rows))
     out.print(table)
+
+
+# --------------------------------------------------------------------- build / store
+
+StoreDir = Annotated[Path, typer.Argument(help="The store directory.", show_default=False)]
+
+
+@app.command("build")
+def build(
+    corpus: Annotated[Path, typer.Argument(help="A folder of text files (or one file).", show_default=False)],
+    store: Annotated[Path, typer.Option("--store", help="Store directory (created if needed).")],
+    source: Annotated[str, typer.Option(help="Source model: short name, folder or HF id.")] = "smollm2-135m",
+    chunk_tokens: Annotated[int, typer.Option(help="Target chunk size in source tokens.", min=8)] = 256,
+    batch: Annotated[int, typer.Option(help="Chunks per source-model forward.", min=1)] = 4,
+    dtype: Annotated[str, typer.Option(help="Storage dtype of K/V: bfloat16 or float16.")] = "bfloat16",
+    embedder: Annotated[str | None, typer.Option(help="sentence-transformers id or path "
+                                                     "(default: the packaged all-MiniLM-L6-v2).")] = None,
+    max_doc_mb: Annotated[float, typer.Option(help="Refuse documents larger than this.")] = 16.0,
+    allow_empty: Annotated[bool, typer.Option(help="Allow an empty corpus (removes every document).")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Prefill new and changed documents of CORPUS into the store, incrementally."""
+    from stores.build import build_store
+    from stores.errors import StoreError
+
+    if not corpus.exists():
+        raise _fail(f"corpus {corpus} does not exist")
+    try:
+        with err.status(f"loading {source}…"):
+            lm = registry.load(source, "bfloat16")
+        summary = build_store(corpus, store, lm, chunk_tokens=chunk_tokens, batch_size=batch, dtype=dtype,
+                              embedder=embedder, allow_empty=allow_empty,
+                              max_document_bytes=int(max_doc_mb * 1e6), progress=True)
+    except (StoreError, registry.ModelError, ValueError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    row = summary.to_dict()
+    if as_json:
+        print(json.dumps(row), flush=True)
+    else:
+        table = Table(title=f"cag build → {store}")
+        table.add_column("figure")
+        table.add_column("value", overflow="fold")
+        for key, value in row.items():
+            if key != "failed":
+                table.add_row(key, _fmt(value))
+        out.print(table)
+    for failure in summary.failed:
+        err.print(f"[yellow]skipped[/] {failure['doc_id']}: {failure['error']}", highlight=False, soft_wrap=True)
+    if summary.failed:
+        err.print(f"{len(summary.failed)} document(s) failed; the rest of the build went through")
+
+
+def _open_store(path: Path):
+    from stores.manifest import open_current
+
+    if not path.is_dir():
+        raise _fail(f"no store at {path}")
+    try:
+        return open_current(path, embedder=_NoEmbedder.for_store(path))
+    except FileNotFoundError as e:
+        raise _fail(str(e)) from None
+
+
+class _NoEmbedder:
+    """Stands in for the embedder when a command only reads a store's rows."""
+
+    def __init__(self, embedder_id: str, dim: int | None) -> None:
+        self.id, self.dim = embedder_id, dim
+
+    def __call__(self, texts):
+        raise RuntimeError("this command does not embed")
+
+    @classmethod
+    def for_store(cls, path: Path) -> "_NoEmbedder":
+        from stores.index import VectorIndex
+        from stores.manifest import current_version, version_dir
+
+        number = current_version(path)
+        if number is None:
+            raise _fail(f"no store version published in {path}")
+        info = VectorIndex.read_info(version_dir(path, number))
+        return cls(info["embedder_id"], info["dim"])
+
+
+@store_app.command("stats")
+def store_stats(path: StoreDir, as_json: JsonFlag = False) -> None:
+    """Documents, chunks, tokens and bytes of the published store version."""
+    from stores.diskcache_store import DiskCacheChunkStore
+    from stores.manifest import chunks_dir, list_versions
+
+    manifest, index = _open_store(path)
+    with DiskCacheChunkStore(chunks_dir(path)) as chunks:
+        st = chunks.stats()
+    tokens = sum(e.n_tokens for e in manifest.documents.values())
+    row = {
+        "store": str(path), "version": manifest.version, "versions_kept": list_versions(path),
+        "source_model": manifest.source_model.get("name") or manifest.source_model.get("family"),
+        "documents": len(manifest.documents),
+        "chunks": sum(len(e.chunk_keys) for e in manifest.documents.values()),
+        "unique_chunks": len(manifest.chunk_keys()), "index_rows": len(index), "tokens": tokens,
+        "entries_on_disk": st.entries, "bytes_on_disk": st.bytes,
+        "bytes_per_token": round(st.bytes / tokens, 1) if tokens else 0.0,
+        "chunk_tokens": manifest.chunker.get("chunk_tokens"), "dtype": manifest.chunker.get("dtype"),
+        "embedder": manifest.embedder_id,
+    }
+    if as_json:
+        print(json.dumps(row), flush=True)
+        return
+    table = Table(title=f"cag store stats {path}")
+    table.add_column("figure")
+    table.add_column("value", overflow="fold")
+    for key, value in row.items():
+        table.add_row(key, _fmt(value))
+    out.print(table)
+
+
+@store_app.command("verify")
+def store_verify(path: StoreDir, as_json: JsonFlag = False) -> None:
+    """Re-read every chunk: checksums, formats, fingerprints; exit 1 on any problem."""
+    from stores.diskcache_store import DiskCacheChunkStore
+    from stores.manifest import chunks_dir
+
+    manifest, index = _open_store(path)
+    with DiskCacheChunkStore(chunks_dir(path)) as chunks:
+        report = chunks.verify(expect_model=manifest.source_fingerprint)
+        missing = sorted(k for k in manifest.chunk_keys() if not chunks.contains(k))
+    unindexed = sorted(manifest.chunk_keys() - index.keys())
+    problems = [{"key": p.key, "kind": p.kind, "message": p.message} for p in report.problems]
+    problems += [{"key": k, "kind": "missing", "message": "referenced by the manifest, not in the store"}
+                 for k in missing]
+    problems += [{"key": k, "kind": "unindexed", "message": "in the manifest, not in the index"}
+                 for k in unindexed]
+    row = {"store": str(path), "version": manifest.version, "checked": report.checked, "ok": report.ok,
+           "problems": problems}
+    if as_json:
+        print(json.dumps(row), flush=True)
+    else:
+        out.print(f"checked {report.checked} chunks of {path}: {report.ok} ok, {len(problems)} problem(s)")
+        for p in problems:
+            err.print(f"[red]{p['kind']}[/] {p['key']}: {p['message']}", highlight=False, soft_wrap=True)
+    if problems:
+        raise typer.Exit(1)
+
+
+@store_app.command("gc")
+def store_gc(path: StoreDir, as_json: JsonFlag = False) -> None:
+    """Delete chunks that no kept store version references."""
+    from stores.build import collect_garbage
+
+    _open_store(path)
+    removed = collect_garbage(path)
+    if as_json:
+        print(json.dumps({"store": str(path), "chunks_collected": removed}), flush=True)
+    else:
+        out.print(f"collected {removed} unreferenced chunk(s) from {path}")
 
 
 def main() -> None:  # python -m cag.cli
