@@ -1,0 +1,193 @@
+"""Place target-space chunks behind a shared prefix and build the target's cache.
+
+The assembled sequence is ``[head | chunk 1 | chunk 2 | ... ]`` at positions
+0..N-1, followed by the question, which the target prefills against the cache.
+
+- **Shared prefix.** The head of the prompt layout (chat-template opening, or
+  BOS) is prefilled by the target once and kept; it is the attention sink for
+  every chunk, whose own sink was dropped when the chunk was made.
+- **Placement.** Chunk keys are stored without position and rotated here, at the
+  positions where the chunks land; Gemma's sliding layers keep only what their
+  window can see (the cache layer does that, from the true length).
+- **Selective recompute** (CacheBlend). Chunks were prefilled (or translated)
+  without seeing each other. With ``recompute_ratio=r`` the r·n context tokens
+  whose cached K/V deviate most from a fresh computation at a check layer are
+  recomputed by the target, attending to everything before them; r = 1 is the
+  target's own prefill of the whole context (direct context), r = 0 costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from cag.kv import KVChunk, text_sha256
+from cag.models.loaded import LoadedModel
+from cag.prompt import PromptLayout
+
+
+@dataclass
+class Placed:
+    """An assembled cache and what it stands for."""
+
+    cache: DynamicCache
+    context_ids: torch.Tensor  # head + chunk tokens, the ids the cache covers
+    prefix_tokens: int
+    recomputed_tokens: int
+    assemble_s: float
+    recompute_s: float
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward once the check layer has run."""
+
+
+class Assembler:
+    """Assembles caches for one target model and one prompt layout."""
+
+    def __init__(self, target: LoadedModel, layout: PromptLayout, *, check_layer: int = 1) -> None:
+        self.target = target
+        self.layout = layout
+        self.check_layer = min(check_layer, target.adapter.num_layers - 1)
+        head_ids, _ = target.tokenize(layout.head) if layout.head else (torch.zeros(0, dtype=torch.long), None)
+        sink = torch.tensor(target.sink_ids, dtype=torch.long)
+        # The head's first token is the sink; a head-less layout uses the model's sink prefix.
+        if head_ids.numel() == 0:
+            head_ids = sink
+        elif sink.numel() and not torch.equal(head_ids[: sink.numel()], sink) and not layout.chat:
+            head_ids = torch.cat([sink, head_ids])
+        if head_ids.numel() == 0:
+            raise ValueError(f"{target.name}: no prompt head and no sink token to hold the attention sink")
+        self.prefix_ids = head_ids
+        self._prefix: KVChunk | None = None
+        self._lock = threading.Lock()
+        # Forwards on one model are serialised: the recompute installs a hook on it.
+        self.model_lock = threading.RLock()
+
+    # ------------------------------------------------------------------ parts
+
+    def prefix(self) -> KVChunk:
+        """The shared prefix chunk, prefilled by the target once."""
+        with self._lock:
+            if self._prefix is None:
+                with self.model_lock:
+                    self._prefix = self.target.prefill_tokens(
+                        self.prefix_ids, sink_ids=[], text_hash=text_sha256(self.layout.head),
+                        settings={"role": "prefix"})
+            return self._prefix
+
+    def question_ids(self, question: str) -> torch.Tensor:
+        ids, _ = self.target.tokenize(self.layout.tail(question))
+        return ids
+
+    def direct_ids(self, chunk_token_ids: Sequence[torch.Tensor], question: str) -> torch.Tensor:
+        """The ids direct context prefills: the same head, context tokens and question."""
+        return torch.cat([self.prefix_ids, *chunk_token_ids, self.question_ids(question)])
+
+    # --------------------------------------------------------------- assembly
+
+    def place(self, chunks: Sequence[KVChunk], *, recompute_ratio: float = 0.0) -> Placed:
+        """Build the cache of head + `chunks` (target-space), recomputing a fraction."""
+        if not 0.0 <= recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+        started = time.perf_counter()
+        parts = [self.prefix(), *chunks]
+        for chunk in chunks:
+            self.target.check_chunk(chunk)
+        adapter, dtype = self.target.adapter, self.target.dtype
+        keys = torch.cat([c.keys for c in parts], dim=2).to(dtype)
+        values = torch.cat([c.values for c in parts], dim=2).to(dtype)
+        context_ids = torch.cat([c.token_ids for c in parts])
+        total = context_ids.numel()
+        adapter.check_placement(total)
+        keys = adapter.rotate(keys, torch.arange(total))
+        n_prefix = parts[0].num_tokens
+        recompute_started = time.perf_counter()
+        n_recompute = round(recompute_ratio * (total - n_prefix))
+        if n_recompute:
+            keys, values = self._recompute(keys, values, context_ids, n_prefix, n_recompute)
+        recompute_s = time.perf_counter() - recompute_started
+        cache = adapter.fill_cache(keys, values)
+        return Placed(cache, context_ids, n_prefix, n_recompute,
+                      time.perf_counter() - started - recompute_s, recompute_s)
+
+    # ------------------------------------------------------ selective recompute
+
+    @torch.inference_mode()
+    def _fresh_kv(self, context_ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's own K/V of the whole context at `layer`, running only layers 0..layer."""
+        model = self.target.model
+        cache = DynamicCache()
+
+        def stop(module, args, output):
+            raise _StopForward
+
+        handle = model.model.layers[layer].register_forward_hook(stop)
+        try:
+            model.model(input_ids=context_ids[None].to(self.target.device), past_key_values=cache, use_cache=True)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        return cache.layers[layer].keys[0], cache.layers[layer].values[0]
+
+    @torch.inference_mode()
+    def _recompute(self, keys: torch.Tensor, values: torch.Tensor, context_ids: torch.Tensor,
+                   n_prefix: int, n_recompute: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recompute `n_recompute` context tokens; returns full rotated K and V, position order."""
+        total = context_ids.numel()
+        with self.model_lock:
+            if n_recompute >= total - n_prefix:
+                chosen = torch.arange(n_prefix, total)
+            else:
+                fresh_k, fresh_v = self._fresh_kv(context_ids, self.check_layer)
+                cached_k, cached_v = keys[self.check_layer], values[self.check_layer]
+                deviation = ((fresh_k - cached_k).float().norm(dim=-1).sum(0)
+                             + (fresh_v - cached_v).float().norm(dim=-1).sum(0))
+                top = torch.topk(deviation[n_prefix:], n_recompute).indices + n_prefix
+                chosen = torch.sort(top).values
+            keep = torch.ones(total, dtype=torch.bool)
+            keep[chosen] = False
+            kept = torch.nonzero(keep).squeeze(1)
+
+            cache = DynamicCache()  # keeps every token, whatever the layer kind
+            for i in range(self.target.adapter.num_layers):
+                cache.update(keys[i][:, kept][None], values[i][:, kept][None], i)
+            self.target.model.model(
+                input_ids=context_ids[chosen][None].to(self.target.device),
+                position_ids=chosen[None].to(self.target.device),
+                attention_mask=self._recompute_masks(kept, chosen),
+                past_key_values=cache, use_cache=True,
+            )
+            order = torch.argsort(torch.cat([kept, chosen]))
+            new_keys = torch.stack([layer.keys[0][:, order] for layer in cache.layers])
+            new_values = torch.stack([layer.values[0][:, order] for layer in cache.layers])
+        return new_keys, new_values
+
+    def _recompute_masks(self, kept: torch.Tensor, chosen: torch.Tensor):
+        """Additive masks for the recomputed tokens over ``[kept tokens | chosen tokens]``.
+
+        Positions are not in cache order, so the masks say by position who may see
+        whom: a chosen token sees every kept token before it and every chosen
+        token up to itself, and in a sliding layer only those inside its window.
+        """
+        q = chosen[:, None]
+        kv = torch.cat([kept, chosen])[None, :]
+        visible = torch.cat([kept[None, :] < q, chosen[None, :] <= q], dim=1)
+        dtype = self.target.dtype
+
+        def additive(allowed: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(allowed.shape, dtype=dtype)
+            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            return mask[None, None].to(self.target.device)
+
+        adapter = self.target.adapter
+        if "sliding_attention" not in adapter.layer_types:
+            return additive(visible)
+        in_window = (q - kv) < adapter.sliding_window
+        return {"full_attention": additive(visible), "sliding_attention": additive(visible & in_window)}

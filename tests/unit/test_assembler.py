@@ -1,0 +1,108 @@
+"""The assembler on tiny models: placement, the shared prefix, selective recompute."""
+
+import pytest
+import torch
+
+from cag.assembler import Assembler
+from cag.generate import generate, stop_token_ids
+from cag.prompt import layout_for
+
+TEXTS = ["Zorblat the archivist keeps 417 maps in the tower of Velmora, wrote Idris.",
+         "Cache-augmented generation reuses the keys and values of documents.",
+         "Paragraphs end with blank lines.\n\nNew paragraphs begin after them."]
+QUESTION = "How many maps does Zorblat keep?"
+
+
+@pytest.fixture
+def parts(tiny):
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    chunks = [tiny.prefill(t) for t in TEXTS]
+    return asm, chunks
+
+
+def question_logits(lm, cache, q):
+    with torch.inference_mode():
+        return lm.model(input_ids=q[None], past_key_values=cache).logits[0]
+
+
+def direct_logits(lm, asm, chunks, q):
+    ids = torch.cat([asm.prefix_ids, *[c.token_ids for c in chunks], q])
+    with torch.inference_mode():
+        return lm.model(input_ids=ids[None]).logits[0, -q.numel():]
+
+
+def test_full_recompute_equals_direct_context(tiny, parts):
+    asm, chunks = parts
+    q = asm.question_ids(QUESTION)
+    placed = asm.place(chunks, recompute_ratio=1.0)
+    assert placed.recomputed_tokens == sum(c.num_tokens for c in chunks)
+    torch.testing.assert_close(question_logits(tiny, placed.cache, q), direct_logits(tiny, asm, chunks, q),
+                               atol=1e-4, rtol=0)
+
+
+def test_no_recompute_keeps_each_chunk_as_stored(tiny, parts):
+    asm, chunks = parts
+    placed = asm.place(chunks, recompute_ratio=0.0)
+    assert placed.recomputed_tokens == 0
+    n_prefix = placed.prefix_tokens
+    start = n_prefix + chunks[0].num_tokens
+    second = chunks[1]
+    positions = torch.arange(start, start + second.num_tokens)
+    want_keys = tiny.adapter.rotate(second.keys, positions)
+    for i, layer in enumerate(placed.cache.layers):
+        total = placed.context_ids.numel()
+        kept = layer.keys.shape[-2]
+        lo = total - kept  # sliding layers keep only the tail of the sequence
+        for j, pos in enumerate(positions.tolist()):
+            if pos >= lo:
+                torch.testing.assert_close(layer.keys[0, :, pos - lo], want_keys[i, :, j], atol=1e-5, rtol=0)
+                torch.testing.assert_close(layer.values[0, :, pos - lo], second.values[i, :, j])
+
+
+def test_partial_recompute_moves_toward_direct_context(tiny, parts):
+    """The cache's distance to the target's joint prefill shrinks with r and vanishes at r = 1."""
+    from transformers import DynamicCache
+    asm, chunks = parts
+    ids = asm.place(chunks).context_ids
+    with torch.inference_mode():
+        joint = tiny.model(input_ids=ids[None], past_key_values=DynamicCache(), use_cache=True).past_key_values
+
+    def distance(ratio):
+        cache = asm.place(chunks, recompute_ratio=ratio).cache
+        total = 0.0
+        for mine, ref in zip(cache.layers, joint.layers):
+            n = mine.keys.shape[-2]  # a sliding layer keeps the tail only
+            total += (mine.keys - ref.keys[..., -n:, :]).norm().item() + (mine.values - ref.values[..., -n:, :]).norm().item()
+        return total
+
+    d0, d_half, d1 = distance(0.0), distance(0.5), distance(1.0)
+    assert d1 < 1e-3 < d0
+    assert d_half < d0
+
+
+def test_recompute_of_the_chunk_tokens_only_the_prefix_stays(tiny, parts):
+    asm, chunks = parts
+    placed = asm.place(chunks, recompute_ratio=0.3)
+    n_ctx = sum(c.num_tokens for c in chunks)
+    assert placed.recomputed_tokens == round(0.3 * n_ctx)
+    assert placed.cache.get_seq_length() == placed.context_ids.numel()
+
+
+def test_generation_from_assembled_cache_matches_direct(tiny, parts):
+    asm, chunks = parts
+    q = asm.question_ids(QUESTION)
+    stops = stop_token_ids(tiny.tokenizer)
+    got = generate(tiny.model, tiny.tokenizer, asm.place(chunks, recompute_ratio=1.0).cache, q,
+                   max_new_tokens=8, stop_ids=stops)
+    ids = torch.cat([asm.prefix_ids, *[c.token_ids for c in chunks], q])
+    with torch.inference_mode():
+        want = tiny.model.generate(ids[None], max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                   eos_token_id=sorted(stops))
+    assert got.token_ids == want[0, ids.numel():].tolist()[: len(got.token_ids)]
+    assert got.question_prefill_s > 0
+
+
+def test_bad_ratio(parts):
+    asm, chunks = parts
+    with pytest.raises(ValueError):
+        asm.place(chunks, recompute_ratio=1.5)
