@@ -16,12 +16,14 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, str]] = {
     "load_model": ("cag.models.registry", "load"),
     "KVChunk": ("cag.kv", "KVChunk"),
-    # "CachedContext": ("cag.context", "CachedContext"),  # add when it exists
+    "CachedContext": ("cag.context", "CachedContext"),
+    "Answer": ("cag.context", "Answer"),
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:
+    from cag.context import Answer, CachedContext
     from cag.kv import KVChunk
     from cag.models.registry import load as load_model
 

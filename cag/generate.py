@@ -22,7 +22,7 @@ from transformers import DynamicCache
 class Step:
     """One generated token, and the text it completes (may be empty mid-character)."""
 
-    token_id: int
+    token_id: int | None  # None: a closing step that only flushes held-back text
     text: str
     seconds: float  # since the question prefill started
 
@@ -65,7 +65,7 @@ def stream_tokens(model, tokenizer, cache: DynamicCache, question_ids: torch.Ten
     for _ in range(max_new_tokens):
         token = int(torch.argmax(logits))
         if token in stop_ids:
-            return
+            break
         generated.append(token)
         text = tokenizer.decode(generated, skip_special_tokens=True)
         piece = ""
@@ -73,9 +73,12 @@ def stream_tokens(model, tokenizer, cache: DynamicCache, question_ids: torch.Ten
             piece, shown = text[len(shown):], text
         yield Step(token, piece, time.perf_counter() - started)
         if len(generated) == max_new_tokens:
-            return
+            break
         logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
                        logits_to_keep=1).logits[0, -1]
+    final = tokenizer.decode(generated, skip_special_tokens=True)
+    if final != shown:  # a character left incomplete at the end: flush what there is
+        yield Step(None, final[len(shown):], time.perf_counter() - started)
 
 
 def generate(model, tokenizer, cache: DynamicCache, question_ids: torch.Tensor, *,
@@ -85,6 +88,8 @@ def generate(model, tokenizer, cache: DynamicCache, question_ids: torch.Tensor, 
     started = time.perf_counter()
     for step in stream_tokens(model, tokenizer, cache, question_ids, max_new_tokens=max_new_tokens,
                               stop_ids=stop_ids):
+        if step.token_id is None:
+            continue
         if not out.token_ids:
             out.question_prefill_s = step.seconds
         out.token_ids.append(step.token_id)

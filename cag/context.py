@@ -1,0 +1,406 @@
+"""`CachedContext`: answer questions from a store's chunk caches, without prefilling them.
+
+    from cag import CachedContext
+    ctx = CachedContext(store="kb-store", target="qwen2.5-0.5b")
+    answer = ctx.answer("When is the reading room open?")
+    answer.text, answer.sources, answer.timings
+
+One query: retrieve chunk keys from the store's index → load their KV bytes →
+translate them into the target's space (identity for the source model itself)
+→ place them behind the target's shared prefix (optionally recomputing a
+fraction) → prefill only the question → generate. `Timings` splits the time to
+first token into those steps.
+
+Settings are pydantic fields; the heavy objects (models, store handles, the
+assembler, the translated-chunk LRU) are private attributes created on first use.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from cag.kv import ChunkError, KVChunk
+from cag.models import registry
+
+# The answer keeps this many tokens of room after the question in the target's window.
+_DEFAULT_MAX_NEW_TOKENS = 64
+
+
+class EmptyStoreError(LookupError):
+    """The store has no published version, or no documents."""
+
+
+@dataclass
+class Timings:
+    """Seconds per step of one query; `first_token` is the time to first token (TTFT)."""
+
+    retrieve: float = 0.0
+    load: float = 0.0
+    translate: float = 0.0
+    assemble: float = 0.0
+    recompute: float = 0.0
+    question_prefill: float = 0.0
+    first_token: float = 0.0
+    decode: float = 0.0
+    total: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass
+class Answer:
+    text: str
+    sources: list[Any]  # stores.index.Hit, in the order they were placed
+    timings: Timings
+    context_tokens: int = 0
+    recomputed_tokens: int = 0
+    warnings: list[str] = field(default_factory=list)
+    mapper: str = ""
+    condition: str = "cached"  # "cached" | "direct" | "no_context"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "condition": self.condition, "mapper": self.mapper,
+                "context_tokens": self.context_tokens, "recomputed_tokens": self.recomputed_tokens,
+                "warnings": list(self.warnings), "timings": self.timings.to_dict(),
+                "sources": [{"key": h.key, "doc_id": h.doc_id, "score": h.score, "start": h.start,
+                             "end": h.end, "text": h.text} for h in self.sources]}
+
+
+class _TranslatedLRU:
+    """Translated chunks kept in memory, bounded by bytes: a hot chunk is translated once."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, KVChunk] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> KVChunk | None:
+        with self._lock:
+            chunk = self._items.get(key)
+            if chunk is not None:
+                self._items.move_to_end(key)
+            return chunk
+
+    def put(self, key: str, chunk: KVChunk) -> None:
+        if chunk.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = chunk
+            self._bytes += chunk.nbytes
+            while self._bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= old.nbytes
+
+
+class CachedContext(BaseModel):
+    """Retrieval plus cache-augmented generation over a `cag` store (see module doc)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    store: Path = Field(description="The store directory (built by `cag build`).")
+    target: str = Field("qwen2.5-0.5b", description="Answering model: short name, folder or HF id.")
+    mapper: str = Field("auto", description="'auto', 'identity', a method name, or an artifact folder.")
+    top_k: int = Field(4, ge=1, description="Chunks retrieved per question.")
+    recompute_ratio: float = Field(0.0, ge=0.0, le=1.0, description="CacheBlend: fraction of context "
+                                   "tokens the target recomputes (0 = none, 1 = direct context).")
+    max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
+    chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
+    max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
+                                           "(default: what the target's window leaves).")
+    system_prompt: str | None = None
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    translation_cache_mb: float = Field(512.0, ge=0.0, description="LRU of translated chunks per target.")
+    embedder: Any = Field(None, exclude=True, description="Query embedder; default: the one the store "
+                          "was built with (an id it records), or pass the same callable the build used.")
+
+    _target_lm: Any = PrivateAttr(None)
+    _mapper: Any = PrivateAttr(None)
+    _assembler: Any = PrivateAttr(None)
+    _chunks: Any = PrivateAttr(None)
+    _view: Any = PrivateAttr(None)  # (version, manifest, index)
+    _lru: Any = PrivateAttr(None)
+    _setup_lock: Any = PrivateAttr(default_factory=threading.RLock)
+    _last_answer: Answer | None = PrivateAttr(None)
+
+    @property
+    def last_answer(self) -> Answer | None:
+        """The full `Answer` of the latest `stream` (or `answer`) call."""
+        return self._last_answer
+
+    # ------------------------------------------------------------ set-up
+
+    def _current_view(self):
+        """The published (manifest, index), reopened when a build publishes a new version."""
+        from stores.manifest import current_version, open_current
+
+        with self._setup_lock:
+            number = current_version(self.store)
+            if number is None:
+                raise EmptyStoreError(f"no store at {self.store}: nothing published yet (run `cag build`)")
+            if self._view is None or self._view[0] != number:
+                manifest, index = open_current(self.store, self.embedder)
+                self._view = (manifest.version, manifest, index)
+            return self._view[1], self._view[2]
+
+    def _ready(self):
+        with self._setup_lock:
+            manifest, _ = self._current_view()
+            if self._target_lm is None:
+                from cag.assembler import Assembler
+                from cag.prompt import layout_for
+                from stores.diskcache_store import DiskCacheChunkStore
+                from stores.manifest import chunks_dir
+
+                self._target_lm = registry.load(self.target, self.dtype)
+                self._assembler = Assembler(self._target_lm, layout_for(self._target_lm.tokenizer,
+                                                                        self.system_prompt))
+                self._chunks = DiskCacheChunkStore(chunks_dir(self.store))
+                self._lru = _TranslatedLRU(int(self.translation_cache_mb * 1e6))
+            if self._mapper is None or self._mapper.source.id != manifest.source_fingerprint.id:
+                from cag.mapping import resolve_mapper
+
+                self._mapper = resolve_mapper(self.mapper, manifest.source_fingerprint, self._target_lm)
+            return self._target_lm, self._mapper, self._assembler
+
+    @property
+    def target_model(self):
+        return self._ready()[0]
+
+    @property
+    def target_model_name(self) -> str:
+        return self.target_model.name
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.target_model.model.config, "max_position_embeddings", 4096))
+
+    # --------------------------------------------------------------- retrieval
+
+    def retrieve(self, question: str, top_k: int | None = None) -> list[Any]:
+        """The `top_k` best chunks for `question` (`stores.index.Hit`, best first)."""
+        _, index = self._current_view()
+        return index.search(question, top_k or self.top_k)
+
+    # ------------------------------------------------------------------ answers
+
+    def answer(self, question: str, hits: list[Any] | None = None, *,
+               max_new_tokens: int | None = None) -> Answer:
+        """Answer from the cached chunks of `hits` (retrieved for `question` when None)."""
+        for _ in self.stream(question, hits, max_new_tokens=max_new_tokens):
+            pass
+        return self._last_answer
+
+    def stream(self, question: str, hits: list[Any] | None = None, *,
+               max_new_tokens: int | None = None) -> Iterator[str]:
+        """Yield the answer's text as it is generated; `last_answer` has sources and timings.
+
+        The target model is held (a lock) while the generator runs: consume it to
+        the end, or close it, before the next query in another thread can start.
+        """
+        from cag.generate import stream_tokens, stop_token_ids
+
+        t0 = time.perf_counter()
+        timings = Timings()
+        notes: list[str] = []
+        if hits is None:
+            hits = self.retrieve(question)
+            timings.retrieve = time.perf_counter() - t0
+        lm, mapper, asm = self._ready()
+        if not hits:
+            notes.append("no chunks were retrieved for this question; answering without context")
+        hits = self._order(hits)
+        chunks, used = self._target_chunks(hits, timings, notes)
+        question_ids = asm.question_ids(question)
+        max_new = max_new_tokens or self.max_new_tokens
+        chunks, used = self._fit_window(chunks, used, question_ids.numel() + max_new, notes)
+        with asm.model_lock:
+            placed = asm.place(chunks, recompute_ratio=self.recompute_ratio)
+            timings.assemble, timings.recompute = placed.assemble_s, placed.recompute_s
+            for note in notes:
+                warnings.warn(note, stacklevel=2)
+            answer = Answer("", used, timings, context_tokens=placed.context_ids.numel() - placed.prefix_tokens,
+                            recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method)
+            self._last_answer = answer
+            decode_started = None
+            for step in stream_tokens(lm.model, lm.tokenizer, placed.cache, question_ids,
+                                      max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer)):
+                if decode_started is None and step.token_id is not None:
+                    decode_started = time.perf_counter()
+                    timings.question_prefill = step.seconds
+                    timings.first_token = decode_started - t0
+                answer.text += step.text
+                yield step.text
+            end = time.perf_counter()
+            if decode_started is None:  # stopped at once
+                timings.question_prefill = timings.first_token = end - t0
+                decode_started = end
+            timings.decode = end - decode_started
+            timings.total = end - t0
+
+    def _order(self, hits: list[Any]) -> list[Any]:
+        if self.chunk_order == "document":
+            return sorted(hits, key=lambda h: (h.doc_id, h.start))
+        return sorted(hits, key=lambda h: -h.score)
+
+    def _target_chunks(self, hits, timings: Timings, notes: list[str]) -> tuple[list[KVChunk], list[Any]]:
+        """Load and translate the hits' chunks (LRU first); corrupt ones are skipped and named."""
+        from stores.errors import StoreIntegrityError
+
+        lm, mapper, _ = self._ready()
+        manifest, _ = self._current_view()
+        cache_id = f"{mapper.method}:{getattr(mapper, 'artifact_id', '')}:{lm.fingerprint.id}"
+        out: dict[int, KVChunk] = {}
+        to_translate: list[tuple[int, KVChunk]] = []
+        t = time.perf_counter()
+        for i, hit in enumerate(hits):
+            cached = self._lru.get(f"{cache_id}:{hit.key}")
+            if cached is not None:
+                out[i] = cached
+                continue
+            try:
+                data = self._chunks.get(hit.key)
+                if data is None:
+                    raise ChunkError("missing from the chunk store")
+                chunk = KVChunk.from_bytes(data, expect_model=manifest.source_fingerprint)
+            except (ChunkError, StoreIntegrityError) as exc:
+                notes.append(f"skipped chunk {hit.key[:12]}… of {hit.doc_id!r}: {exc}")
+                continue
+            to_translate.append((i, chunk))
+        timings.load = time.perf_counter() - t
+        t = time.perf_counter()
+        if to_translate:
+            translated = mapper.translate_batch([c for _, c in to_translate],
+                                                [hits[i].text for i, _ in to_translate], lm)
+            for (i, _), chunk in zip(to_translate, translated):
+                out[i] = chunk
+                self._lru.put(f"{cache_id}:{hits[i].key}", chunk)
+        timings.translate = time.perf_counter() - t
+        order = sorted(out)
+        return [out[i] for i in order], [hits[i] for i in order]
+
+    def _fit_window(self, chunks: list[KVChunk], used: list[Any], reserve: int,
+                    notes: list[str]) -> tuple[list[KVChunk], list[Any]]:
+        """Drop the lowest-scoring chunks until the context fits the target's window."""
+        asm = self._assembler
+        budget = self.context_window - asm.prefix_ids.numel() - reserve
+        if self.max_context_tokens is not None:
+            budget = min(budget, self.max_context_tokens)
+        total = sum(c.num_tokens for c in chunks)
+        if total <= budget:
+            return chunks, used
+        keep = set(range(len(chunks)))
+        for i in sorted(keep, key=lambda i: used[i].score):
+            if total <= budget:
+                break
+            keep.discard(i)
+            total -= chunks[i].num_tokens
+        dropped = len(chunks) - len(keep)
+        notes.append(f"context of {sum(c.num_tokens for c in chunks)} tokens exceeds the budget of "
+                     f"{budget}; dropped the {dropped} lowest-scoring chunk(s)")
+        idx = sorted(keep)
+        return [chunks[i] for i in idx], [used[i] for i in idx]
+
+    # ------------------------------------------------------- reference answers
+
+    def answer_direct(self, question: str, hits: list[Any] | None = None, *,
+                      max_new_tokens: int | None = None) -> Answer:
+        """The comparison: the target prefills the retrieved text itself (direct context)."""
+        return self._answer_from_text(question, hits, max_new_tokens, with_context=True)
+
+    def answer_without_context(self, question: str, *, max_new_tokens: int | None = None) -> Answer:
+        return self._answer_from_text(question, [], max_new_tokens, with_context=False)
+
+    def _answer_from_text(self, question, hits, max_new_tokens, *, with_context: bool) -> Answer:
+        import torch
+        from transformers import DynamicCache
+
+        from cag.generate import generate, stop_token_ids
+
+        t0 = time.perf_counter()
+        timings = Timings()
+        if hits is None:
+            hits = self.retrieve(question)
+            timings.retrieve = time.perf_counter() - t0
+        lm, _, asm = self._ready()
+        hits = self._order(hits) if with_context else []
+        context_ids = [lm.tokenize(h.text)[0] for h in hits]
+        ids = asm.direct_ids(context_ids, question)
+        with asm.model_lock, torch.inference_mode():
+            cache = DynamicCache(config=lm.model.config)
+            gen = generate(lm.model, lm.tokenizer, cache, ids, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                           stop_ids=stop_token_ids(lm.tokenizer))
+        end = time.perf_counter()
+        timings.question_prefill = gen.question_prefill_s
+        timings.first_token = timings.retrieve + gen.question_prefill_s
+        timings.decode, timings.total = gen.decode_s, end - t0
+        return Answer(gen.text, hits, timings, context_tokens=sum(c.numel() for c in context_ids),
+                      condition="direct" if with_context else "no_context", mapper="")
+
+    # ------------------------------------------------------------- plain LLM
+
+    def complete_text(self, prompt: str, *, max_new_tokens: int | None = None) -> str:
+        """The target as a plain local LLM: no retrieval, no cache (LlamaIndex's LLM path)."""
+        return "".join(self.stream_text(prompt, max_new_tokens=max_new_tokens))
+
+    def stream_text(self, prompt: str, *, max_new_tokens: int | None = None) -> Iterator[str]:
+        from transformers import DynamicCache
+
+        from cag.generate import stream_tokens, stop_token_ids
+
+        lm, _, asm = self._ready()
+        tok = lm.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+        else:
+            text = (tok.bos_token or "") + prompt
+        ids, _ = lm.tokenize(text)
+        with asm.model_lock:
+            for step in stream_tokens(lm.model, tok, DynamicCache(config=lm.model.config), ids,
+                                      max_new_tokens=max_new_tokens or self.max_new_tokens,
+                                      stop_ids=stop_token_ids(tok)):
+                yield step.text
+
+    # ------------------------------------------------------------ integrations
+
+    def as_retriever(self, **kwargs):
+        from cag.llama_index import make_retriever
+
+        return make_retriever(self, **kwargs)
+
+    def as_llm(self, **kwargs):
+        from cag.llama_index import make_llm
+
+        return make_llm(self, **kwargs)
+
+    def as_query_engine(self, **kwargs):
+        from cag.llama_index import make_query_engine
+
+        return make_query_engine(self, **kwargs)
+
+    @classmethod
+    def from_documents(cls, documents, store: str | Path, *, source: str = "smollm2-135m",
+                       chunk_tokens: int = 256, **settings) -> "CachedContext":
+        """Build (or update) a store from LlamaIndex `Document`s, then open it."""
+        from stores.build import build_store
+
+        build_store(documents, store, registry.load(source, "bfloat16"), chunk_tokens=chunk_tokens)
+        return cls(store=Path(store), **settings)
+
+    def close(self) -> None:
+        if self._chunks is not None:
+            self._chunks.close()
+            self._chunks = None

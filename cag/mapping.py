@@ -1,0 +1,80 @@
+"""Finding the mapper that turns a store's chunks into a target's KV space.
+
+``mapper="auto"`` means: the identity when the store's source model *is* the
+target; otherwise the best measured mapper shipped for (source, target), where
+"best" is the lowest next-token KL recorded in its card. Other values: a method
+name (``"ridge"``, ``"latent"``, ...) picks the shipped mapper of that method for
+the pair, and a path loads that artifact (checked against the pair).
+
+Shipped mappers live in ``mappers/pretrained/<name>/`` (installed with the
+package) and in ``$CAG_HOME/mappers/<name>/`` (fitted locally by ``cag fit``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from cag.kv import ModelFingerprint
+from cag.models.loaded import LoadedModel
+from cag.models.registry import cag_home
+
+
+class MapperNotFoundError(LookupError):
+    """No mapper exists for the (source, target) pair asked for."""
+
+
+def mapper_dirs() -> list[Path]:
+    import mappers
+
+    return [Path(mappers.__file__).resolve().parent / "pretrained", cag_home() / "mappers"]
+
+
+def available_mappers() -> list[tuple[Path, dict[str, Any]]]:
+    """Every readable mapper artifact (folder, card) in the mapper folders."""
+    from mappers.base import Mapper, MapperArtifactError
+
+    found = []
+    for root in mapper_dirs():
+        if not root.is_dir():
+            continue
+        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+            try:
+                found.append((folder, Mapper.read_card(folder)))
+            except MapperArtifactError:
+                continue
+    return found
+
+
+def _score(card: dict[str, Any]) -> float:
+    kl = (card.get("fidelity") or {}).get("kl")
+    return float(kl) if isinstance(kl, (int, float)) else float("inf")
+
+
+def resolve_mapper(spec: str | os.PathLike, source: ModelFingerprint, target: LoadedModel):
+    """The `Mapper` for chunks of `source` answered by `target` (see module doc)."""
+    from mappers.base import load_mapper
+    from mappers.identity import IdentityMapper
+
+    same = source.id == target.fingerprint.id
+    spec = str(spec)
+    if spec == "identity" or (spec == "auto" and same):
+        return IdentityMapper(source, target.fingerprint)
+    if os.path.isdir(spec):
+        return load_mapper(spec, source=source, target=target.fingerprint)
+    candidates = [(folder, card) for folder, card in available_mappers()
+                  if ModelFingerprint.from_dict(card["source"]).id == source.id
+                  and ModelFingerprint.from_dict(card["target"]).id == target.fingerprint.id
+                  and (spec == "auto" or card.get("method") == spec)]
+    if not candidates:
+        pairs = sorted({f"{c['source'].get('name')} → {c['target'].get('name')} ({c.get('method')})"
+                        for _, c in available_mappers()})
+        raise MapperNotFoundError(
+            f"no {'' if spec == 'auto' else spec + ' '}mapper from {source.describe()} to "
+            f"{target.fingerprint.describe()}. Fit one with `cag fit --source {source.name or '...'} "
+            f"--target {target.name}`, pass mapper=<artifact folder>, or answer with the source model "
+            f"itself. Mappers available: {', '.join(pairs) or 'none'}"
+        )
+    folder, _ = min(candidates, key=lambda fc: _score(fc[1]))
+    return load_mapper(folder, source=source, target=target.fingerprint)

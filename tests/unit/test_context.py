@@ -1,0 +1,123 @@
+"""CachedContext end to end on tiny models saved to folders: retrieval, answers, timings, bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from cag.context import CachedContext, EmptyStoreError
+from cag.mapping import MapperNotFoundError
+from stores.build import build_store
+from stores.diskcache_store import DiskCacheChunkStore
+from stores.manifest import chunks_dir
+from tests.stores.test_build import HashEmbedder, doc
+from tests.tiny import tiny_model
+
+from cag.models import registry
+
+
+def saved(root, family, seed=0):
+    model, tok = tiny_model(family, seed)
+    folder = root / f"{family}-{seed}"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def kb(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kb")
+    source = saved(root, "qwen2")
+    docs = [(f"doc{i}", doc(i, paragraphs=2)) for i in range(4)]
+    build_store(docs, root / "store", registry.load(str(source), "float32"), chunk_tokens=32,
+                embedder=HashEmbedder())
+    return root, source
+
+
+def ctx_for(kb, **kw):
+    root, source = kb
+    kw.setdefault("target", str(source))
+    return CachedContext(store=root / "store", embedder=HashEmbedder(), dtype="float32",
+                         max_new_tokens=6, **kw)
+
+
+def test_answer_from_cache_with_full_recompute_equals_direct(kb):
+    ctx = ctx_for(kb, recompute_ratio=1.0, top_k=3)
+    question = doc(2, paragraphs=1)[:60]
+    hits = ctx.retrieve(question)
+    assert len(hits) == 3
+    cached = ctx.answer(question, hits)
+    direct = ctx.answer_direct(question, hits)
+    assert cached.text == direct.text
+    assert cached.mapper == "identity" and cached.context_tokens == direct.context_tokens > 0
+    t = cached.timings
+    assert 0 < t.first_token <= t.total and t.question_prefill > 0
+    assert [h.key for h in cached.sources] == [h.key for h in sorted(hits, key=lambda h: -h.score)]
+
+
+def test_stream_yields_the_answer(kb):
+    ctx = ctx_for(kb)
+    pieces = list(ctx.stream("Zorblat maps?"))
+    assert "".join(pieces) == ctx.last_answer.text
+    assert ctx.last_answer.timings.retrieve > 0
+
+
+def test_translated_chunks_are_kept_in_the_lru(kb):
+    ctx = ctx_for(kb)
+    hits = ctx.retrieve("tower of Velmora")
+    ctx.answer("tower of Velmora", hits)
+    second = ctx.answer("tower of Velmora", hits)
+    assert second.timings.load == pytest.approx(0.0, abs=1e-3)
+
+
+def test_corrupt_chunk_is_skipped_and_named(kb, tmp_path):
+    import shutil
+    root, source = kb
+    shutil.copytree(root / "store", tmp_path / "store")
+    ctx = CachedContext(store=tmp_path / "store", target=str(source), embedder=HashEmbedder(),
+                        dtype="float32", max_new_tokens=4)
+    hits = ctx.retrieve("maps")
+    with DiskCacheChunkStore(chunks_dir(tmp_path / "store")) as chunks:
+        chunks.put(hits[0].key, chunks.get(hits[0].key)[:50], overwrite=True)
+    with pytest.warns(UserWarning, match="skipped chunk"):
+        answer = ctx.answer("maps", hits)
+    assert hits[0].key not in [h.key for h in answer.sources] and len(answer.sources) == len(hits) - 1
+    assert any(hits[0].key[:12] in w for w in answer.warnings)
+
+
+def test_context_longer_than_the_budget_is_truncated_by_score(kb):
+    ctx = ctx_for(kb, top_k=4, max_context_tokens=40)
+    with pytest.warns(UserWarning, match="lowest-scoring"):
+        answer = ctx.answer("archivist keeps maps")
+    assert answer.context_tokens <= 40 and len(answer.sources) < 4
+
+
+def test_no_mapper_for_the_pair(kb, tmp_path):
+    other = saved(tmp_path, "llama")
+    with pytest.raises(MapperNotFoundError, match="cag fit"):
+        ctx_for(kb, target=str(other)).answer("maps")
+
+
+def test_empty_store_and_no_hits(tmp_path, kb):
+    with pytest.raises(EmptyStoreError, match="cag build"):
+        CachedContext(store=tmp_path / "nothing", embedder=HashEmbedder()).answer("q")
+    ctx = ctx_for(kb)
+    with pytest.warns(UserWarning, match="without context"):
+        answer = ctx.answer("q", hits=[])
+    assert answer.context_tokens == 0 and not answer.sources
+
+
+def test_new_version_is_picked_up(kb, tmp_path):
+    import shutil
+    root, source = kb
+    shutil.copytree(root / "store", tmp_path / "store")
+    ctx = CachedContext(store=tmp_path / "store", target=str(source), embedder=HashEmbedder(),
+                        dtype="float32", max_new_tokens=2)
+    before = {h.doc_id for h in ctx.retrieve(doc(9, paragraphs=1), top_k=50)}
+    build_store([(f"doc{i}", doc(i, paragraphs=2)) for i in range(4)] + [("doc9", doc(9, paragraphs=1))],
+                tmp_path / "store", registry.load(str(source), "float32"), chunk_tokens=32,
+                embedder=HashEmbedder())
+    after = {h.doc_id for h in ctx.retrieve(doc(9, paragraphs=1), top_k=50)}
+    assert "doc9" not in before and "doc9" in after
