@@ -167,6 +167,7 @@ class CachedContext(BaseModel):
                 self._target_lm = registry.load(self.target, self.dtype)
                 self._assembler = Assembler(self._target_lm, layout_for(self._target_lm.tokenizer,
                                                                         self.system_prompt))
+                self._assembler.prefix()  # once per target, at set-up: not part of any query's TTFT
                 self._chunks = DiskCacheChunkStore(chunks_dir(self.store))
                 self._lru = _TranslatedLRU(int(self.translation_cache_mb * 1e6))
             if self._mapper is None or self._mapper.source.id != manifest.source_fingerprint.id:
