@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -205,7 +205,7 @@ class CachedContext(BaseModel):
         return self._last_answer
 
     def stream(self, question: str, hits: list[Any] | None = None, *,
-               max_new_tokens: int | None = None) -> Iterator[str]:
+               max_new_tokens: int | None = None) -> Generator[str, None, Answer]:
         """Yield the answer's text as it is generated; `last_answer` has sources and timings.
 
         The target model is held (a lock) while the generator runs: consume it to
@@ -250,6 +250,7 @@ class CachedContext(BaseModel):
                 decode_started = end
             timings.decode = end - decode_started
             timings.total = end - t0
+        return answer  # the generator's value: this stream's own Answer, whatever other threads did
 
     def _order(self, hits: list[Any]) -> list[Any]:
         if self.chunk_order == "document":
@@ -393,13 +394,15 @@ class CachedContext(BaseModel):
         return make_query_engine(self, **kwargs)
 
     @classmethod
-    def from_documents(cls, documents, store: str | Path, *, source: str = "smollm2-135m",
-                       chunk_tokens: int = 256, **settings) -> "CachedContext":
-        """Build (or update) a store from LlamaIndex `Document`s, then open it."""
-        from stores.build import build_store
+    def from_documents(cls, documents, store: str | Path, **kwargs) -> "CachedContext":
+        """Build (or update) a store from LlamaIndex `Document`s, then open it.
 
-        build_store(documents, store, registry.load(source, "bfloat16"), chunk_tokens=chunk_tokens)
-        return cls(store=Path(store), **settings)
+        See `cag.llama_index.documents_to_context` for the keywords (source model,
+        chunk size, embedder); the rest are `CachedContext` settings.
+        """
+        from cag.llama_index import documents_to_context
+
+        return documents_to_context(documents, store, **kwargs)
 
     def close(self) -> None:
         if self._chunks is not None:
