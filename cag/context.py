@@ -76,6 +76,16 @@ class Answer:
                              "end": h.end, "text": h.text} for h in self.sources]}
 
 
+@dataclass
+class Prepared:
+    """A placed cache waiting for its question (see `CachedContext.prepare`)."""
+
+    cache: Any  # transformers DynamicCache
+    question_ids: Any  # torch.Tensor
+    answer: "Answer"  # sources, timings so far, warnings; text still empty
+    started: float  # perf_counter at the start of the query
+
+
 class _TranslatedLRU:
     """Translated chunks kept in memory, bounded by bytes: a hot chunk is translated once."""
 
@@ -204,15 +214,14 @@ class CachedContext(BaseModel):
             pass
         return self._last_answer
 
-    def stream(self, question: str, hits: list[Any] | None = None, *,
-               max_new_tokens: int | None = None) -> Generator[str, None, Answer]:
-        """Yield the answer's text as it is generated; `last_answer` has sources and timings.
+    def prepare(self, question: str, hits: list[Any] | None = None, *,
+                max_new_tokens: int | None = None) -> "Prepared":
+        """Everything before the question is read: retrieve, load, translate, place.
 
-        The target model is held (a lock) while the generator runs: consume it to
-        the end, or close it, before the next query in another thread can start.
+        Returns the placed cache and the question's ids; `stream` prefills the
+        question against it and decodes. The evaluation harness uses this too,
+        so every condition it measures goes through the same path as a query.
         """
-        from cag.generate import stream_tokens, stop_token_ids
-
         t0 = time.perf_counter()
         timings = Timings()
         notes: list[str] = []
@@ -225,18 +234,34 @@ class CachedContext(BaseModel):
         hits = self._order(hits)
         chunks, used = self._target_chunks(hits, timings, notes)
         question_ids = asm.question_ids(question)
-        max_new = max_new_tokens or self.max_new_tokens
-        chunks, used = self._fit_window(chunks, used, question_ids.numel() + max_new, notes)
+        reserve = question_ids.numel() + (max_new_tokens or self.max_new_tokens)
+        chunks, used = self._fit_window(chunks, used, reserve, notes)
         with asm.model_lock:
             placed = asm.place(chunks, recompute_ratio=self.recompute_ratio)
-            timings.assemble, timings.recompute = placed.assemble_s, placed.recompute_s
-            for note in notes:
-                warnings.warn(note, stacklevel=2)
-            answer = Answer("", used, timings, context_tokens=placed.context_ids.numel() - placed.prefix_tokens,
-                            recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method)
+        timings.assemble, timings.recompute = placed.assemble_s, placed.recompute_s
+        for note in notes:
+            warnings.warn(note, stacklevel=3)
+        answer = Answer("", used, timings, context_tokens=placed.context_ids.numel() - placed.prefix_tokens,
+                        recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method)
+        return Prepared(placed.cache, question_ids, answer, t0)
+
+    def stream(self, question: str, hits: list[Any] | None = None, *,
+               max_new_tokens: int | None = None) -> Generator[str, None, Answer]:
+        """Yield the answer's text as it is generated; `last_answer` has sources and timings.
+
+        The target model is held (a lock) while the generator runs: consume it to
+        the end, or close it, before the next query in another thread can start.
+        """
+        from cag.generate import stream_tokens, stop_token_ids
+
+        lm, _, asm = self._ready()
+        max_new = max_new_tokens or self.max_new_tokens
+        with asm.model_lock:
+            prepared = self.prepare(question, hits, max_new_tokens=max_new)
+            answer, timings, t0 = prepared.answer, prepared.answer.timings, prepared.started
             self._last_answer = answer
             decode_started = None
-            for step in stream_tokens(lm.model, lm.tokenizer, placed.cache, question_ids,
+            for step in stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
                                       max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer)):
                 if decode_started is None and step.token_id is not None:
                     decode_started = time.perf_counter()
@@ -251,6 +276,16 @@ class CachedContext(BaseModel):
             timings.decode = end - decode_started
             timings.total = end - t0
         return answer  # the generator's value: this stream's own Answer, whatever other threads did
+
+    def document_hits(self, doc_ids: list[str]) -> list[Any]:
+        """Every chunk of the given documents, in document order (whole-document context)."""
+        from stores.index import Hit
+
+        _, index = self._current_view()
+        wanted = set(doc_ids)
+        rows = sorted((r for r in index.rows if r.doc_id in wanted),
+                      key=lambda r: (doc_ids.index(r.doc_id), r.start))
+        return [Hit(r.key, 1.0, r.doc_id, r.text, r.start, r.end) for r in rows]
 
     def _order(self, hits: list[Any]) -> list[Any]:
         if self.chunk_order == "document":
