@@ -165,9 +165,10 @@ class CachedContext(BaseModel):
                 self._view = (manifest.version, manifest, index)
             return self._view[1], self._view[2]
 
-    def _ready(self):
+    def _ready_target(self):
+        """The target model, its assembler and the chunk store (no mapper needed)."""
         with self._setup_lock:
-            manifest, _ = self._current_view()
+            self._current_view()  # a store with nothing published fails here, clearly
             if self._target_lm is None:
                 from cag.assembler import Assembler
                 from cag.prompt import layout_for
@@ -180,15 +181,32 @@ class CachedContext(BaseModel):
                 self._assembler.prefix()  # once per target, at set-up: not part of any query's TTFT
                 self._chunks = DiskCacheChunkStore(chunks_dir(self.store))
                 self._lru = _TranslatedLRU(int(self.translation_cache_mb * 1e6))
+            return self._target_lm, self._assembler
+
+    def _ready(self):
+        """Target, mapper and assembler; the mapper follows the store's source model."""
+        with self._setup_lock:
+            lm, asm = self._ready_target()
+            manifest, _ = self._current_view()
             if self._mapper is None or self._mapper.source.id != manifest.source_fingerprint.id:
                 from cag.mapping import resolve_mapper
 
-                self._mapper = resolve_mapper(self.mapper, manifest.source_fingerprint, self._target_lm)
-            return self._target_lm, self._mapper, self._assembler
+                self._mapper = resolve_mapper(self.mapper, manifest.source_fingerprint, lm)
+            return lm, self._mapper, asm
 
     @property
     def target_model(self):
-        return self._ready()[0]
+        return self._ready_target()[0]
+
+    @property
+    def assembler(self):
+        """The target's `Assembler` (shared prefix, prompt layout)."""
+        return self._ready_target()[1]
+
+    @property
+    def active_mapper(self):
+        """The mapper this context translates the store's chunks with."""
+        return self._ready()[1]
 
     @property
     def target_model_name(self) -> str:
@@ -371,7 +389,7 @@ class CachedContext(BaseModel):
         if hits is None:
             hits = self.retrieve(question)
             timings.retrieve = time.perf_counter() - t0
-        lm, _, asm = self._ready()
+        lm, asm = self._ready_target()
         hits = self._order(hits) if with_context else []
         context_ids = [lm.tokenize(h.text)[0] for h in hits]
         ids = asm.direct_ids(context_ids, question)
@@ -397,7 +415,7 @@ class CachedContext(BaseModel):
 
         from cag.generate import stream_tokens, stop_token_ids
 
-        lm, _, asm = self._ready()
+        lm, asm = self._ready_target()
         tok = lm.tokenizer
         if getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

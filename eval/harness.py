@@ -1,0 +1,165 @@
+"""Run every condition of DESIGN.md on the same question and the same chunks.
+
+For one question and one target model, with the chunks retrieved once:
+
+- ``no_context`` (NC): the shared prefix, then the question. The floor.
+- ``direct`` (DC): the target prefills the chunks' text, then the question. The reference.
+- ``native_cache`` (NCC): the target's own cache of each chunk, prefilled chunk by
+  chunk and assembled: what chunk independence alone costs.
+- ``cache:<method>`` (TC): the store's source-model chunks, translated by a mapper
+  and assembled, through `CachedContext.prepare`, the path a query takes.
+
+Each condition is measured twice from its context cache (copied, as a forward
+extends a cache in place): once teacher-forcing the gold answer after the
+question (log-likelihood, and the next-token distributions for KL and top-1
+against DC), once generating greedily (exact match, F1, answer found).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from cag.context import CachedContext
+from cag.generate import generate, stop_token_ids
+from eval import metrics
+
+NO_CONTEXT, DIRECT, NATIVE = "no_context", "direct", "native_cache"
+
+
+@dataclass
+class ConditionResult:
+    condition: str
+    answer: str
+    exact_match: float
+    f1: float
+    found: float
+    gold_log_likelihood: float
+    kl_from_direct: float | None
+    top1_with_direct: float | None
+    ttft_s: float
+    context_tokens: int
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Run:
+    """A condition's context cache and what it took to get there."""
+
+    cache: DynamicCache
+    question_ids: torch.Tensor
+    context_tokens: int
+    setup_s: float  # the part of TTFT spent before the question is prefilled
+    warnings: list[str]
+
+
+class ItemRunner:
+    """Runs the conditions for one target model (one `CachedContext` per mapper method).
+
+    Methods with no mapper for the pair are simply absent from `contexts`: the
+    text and native conditions are measured all the same.
+    """
+
+    def __init__(self, base: CachedContext, contexts: dict[str, CachedContext], *,
+                 max_new_tokens: int = 24) -> None:
+        self.base = base  # retrieval, the target and its assembler
+        self.contexts = contexts  # method -> CachedContext over the same store and target
+        self.max_new_tokens = max_new_tokens
+
+    @property
+    def lm(self):
+        return self.base.target_model
+
+    def hits_for(self, item) -> list[Any]:
+        if item.context == "all":
+            return self.base.document_hits([d.id for d in item.documents])
+        return self.base.retrieve(item.question)
+
+    # ------------------------------------------------------------ conditions
+
+    def _text_run(self, item, hits, *, with_context: bool) -> _Run:
+        lm, asm = self.lm, self.base.assembler
+        started = time.perf_counter()
+        context = [lm.tokenize(h.text)[0] for h in hits] if with_context else []
+        ids = torch.cat([asm.prefix_ids, *context])
+        cache = DynamicCache(config=lm.model.config)
+        with torch.inference_mode():
+            lm.model(input_ids=ids[None], past_key_values=cache, logits_to_keep=1)
+        return _Run(cache, asm.question_ids(item.question), sum(c.numel() for c in context),
+                    time.perf_counter() - started, [])
+
+    def _native_run(self, item, hits) -> _Run:
+        """The target's own chunk caches; their prefill is offline work, not TTFT."""
+        lm, asm = self.lm, self.base.assembler
+        chunks = [lm.prefill(h.text) for h in hits]
+        started = time.perf_counter()
+        placed = asm.place(chunks, recompute_ratio=self.base.recompute_ratio)
+        return _Run(placed.cache, asm.question_ids(item.question),
+                    placed.context_ids.numel() - placed.prefix_tokens, time.perf_counter() - started, [])
+
+    def _cached_run(self, ctx: CachedContext, item, hits) -> _Run:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prepared = ctx.prepare(item.question, hits, max_new_tokens=self.max_new_tokens)
+        t = prepared.answer.timings
+        setup = t.load + t.translate + t.assemble + t.recompute
+        return _Run(prepared.cache, prepared.question_ids, prepared.answer.context_tokens, setup,
+                    list(prepared.answer.warnings))
+
+    # ----------------------------------------------------------- measurement
+
+    def gold_ids(self, answer: str) -> torch.Tensor:
+        # A plain layout ends with "Answer:", so the answer starts after a space;
+        # a chat layout ends with the assistant header and a newline.
+        text = answer if self.base.assembler.layout.chat else " " + answer
+        return self.lm.tokenize(text)[0]
+
+    @torch.inference_mode()
+    def _teacher_forced(self, run: _Run, gold: torch.Tensor) -> torch.Tensor:
+        ids = torch.cat([run.question_ids, gold[:-1]])
+        logits = self.lm.model(input_ids=ids[None], past_key_values=copy.deepcopy(run.cache),
+                               logits_to_keep=gold.numel()).logits[0]
+        return torch.log_softmax(logits.float(), -1)
+
+    def run(self, item) -> dict[str, ConditionResult]:
+        """Every condition for `item`, on the same chunks."""
+        self.lm  # load before timing anything
+        hits = self.hits_for(item)
+        runs: dict[str, _Run] = {
+            NO_CONTEXT: self._text_run(item, hits, with_context=False),
+            DIRECT: self._text_run(item, hits, with_context=True),
+            NATIVE: self._native_run(item, hits),
+        }
+        for method, ctx in self.contexts.items():
+            runs[f"cache:{method}"] = self._cached_run(ctx, item, hits)
+        gold = self.gold_ids(item.answers[0])
+        log_probs = {name: self._teacher_forced(run, gold) for name, run in runs.items()}
+        stops = stop_token_ids(self.lm.tokenizer)
+        results = {}
+        for name, run in runs.items():
+            gen = generate(self.lm.model, self.lm.tokenizer, run.cache, run.question_ids,
+                           max_new_tokens=self.max_new_tokens, stop_ids=stops)
+            is_direct = name == DIRECT
+            results[name] = ConditionResult(
+                condition=name, answer=gen.text.strip(),
+                exact_match=metrics.exact_match(gen.text, item.answers),
+                f1=metrics.token_f1(gen.text, item.answers),
+                found=metrics.contains_answer(gen.text, item.answers),
+                gold_log_likelihood=metrics.gold_log_likelihood(log_probs[name], gold),
+                kl_from_direct=None if is_direct else metrics.kl_divergence(log_probs[DIRECT], log_probs[name]),
+                top1_with_direct=None if is_direct else metrics.top1_agreement(log_probs[DIRECT], log_probs[name]),
+                ttft_s=run.setup_s + gen.question_prefill_s,
+                context_tokens=run.context_tokens,
+                warnings=run.warnings,
+            )
+        return results

@@ -1,0 +1,235 @@
+"""`cag eval`: build a store for the questions, run every condition, write the report.
+
+Results are appended to ``results.jsonl`` one (question, target) at a time, so an
+interrupted run resumes where it stopped; the summary (``results.json``), the
+table (``results.md``) and the plots are recomputed from that file at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cag.context import CachedContext
+from cag.mapping import MapperNotFoundError
+from cag.models import registry
+from eval import metrics
+from eval.harness import DIRECT, NO_CONTEXT, ItemRunner
+
+RESULTS, SUMMARY, TABLE = "results.jsonl", "results.json", "results.md"
+
+
+def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, embedder=None,
+                     progress: bool = False):
+    """One store holding every document of `items`, prefilled by `source`."""
+    from stores.build import build_store
+
+    docs: dict[str, str] = {}
+    for item in items:
+        for d in item.documents:
+            docs.setdefault(d.id, d.text)
+    if not docs:
+        raise ValueError("these questions bring no documents; pass --store with a built store")
+    return build_store(sorted(docs.items()), store_dir, registry.load(source, "bfloat16"),
+                       chunk_tokens=chunk_tokens, embedder=embedder, progress=progress)
+
+
+def _done(path: Path) -> set[tuple[str, str]]:
+    if not path.exists():
+        return set()
+    done = set()
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by an interruption: redo that question
+            continue
+        done.add((row["item"], row["target"]))
+    return done
+
+
+def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, source: str = "smollm2-135m",
+             targets: Sequence[str] = ("qwen2.5-0.5b", "gemma3-270m"), methods: Sequence[str] = ("auto",),
+             top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
+             command: str = "", on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if store is None:
+        store = out_dir / "store"
+        build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder)
+    results_path = out_dir / RESULTS
+    done = _done(results_path)
+    notes: list[str] = []
+    total = len(items) * len(targets)
+    count = len([1 for i in items for t in targets if (i.id, t) in done])
+    for target in targets:
+        settings = dict(store=store, target=target, top_k=top_k, max_new_tokens=max_new_tokens,
+                        embedder=embedder, translation_cache_mb=0)
+        base = CachedContext(mapper="identity", **settings)
+        contexts: dict[str, CachedContext] = {}
+        for method in methods:
+            ctx = CachedContext(mapper=method, **settings)
+            try:
+                label = ctx.active_mapper.method
+            except (MapperNotFoundError, ValueError) as exc:
+                notes.append(f"{target}: no {method!r} mapper from the store's source ({exc.__class__.__name__})")
+                continue
+            contexts[label] = ctx
+        runner = ItemRunner(base, contexts, max_new_tokens=max_new_tokens)
+        for item in items:
+            if (item.id, target) in done:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results = runner.run(item)
+            row = {"item": item.id, "target": target, "meta": dict(item.meta), "question": item.question,
+                   "answers": list(item.answers), "results": {k: v.to_dict() for k, v in results.items()}}
+            with open(results_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            count += 1
+            if on_progress:
+                on_progress(target, count, total)
+    summary = summarize(results_path)
+    summary["notes"] = notes + summary["notes"]
+    summary["run"] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                      "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "source": source,
+                      "targets": list(targets), "methods": list(methods), "top_k": top_k,
+                      "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens}
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+    (out_dir / TABLE).write_text(render_markdown(summary))
+    plot(summary, out_dir)
+    return summary
+
+
+# ------------------------------------------------------------------ summary
+
+_MEANS = ("exact_match", "f1", "found", "gold_log_likelihood", "kl_from_direct", "top1_with_direct")
+_RETAINED = {"exact_match": "exact_match", "f1": "f1", "found": "found", "likelihood": "gold_log_likelihood"}
+
+
+def summarize(results_path: Path) -> dict[str, Any]:
+    """Per (dataset, target, condition): means, median TTFT, retention against DC."""
+    rows = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["meta"].get("dataset", "qa"), row["target"])].append(row)
+    table, notes = [], []
+    for (dataset, target), group in sorted(groups.items()):
+        conditions = sorted({c for r in group for c in r["results"]}, key=_condition_order)
+        direct = [r["results"][DIRECT] for r in group]
+        for cond in conditions:
+            paired = [(r["results"][cond], r["results"][DIRECT]) for r in group if cond in r["results"]]
+            x = [p[0] for p in paired]
+            entry: dict[str, Any] = {"dataset": dataset, "target": target, "condition": cond, "n": len(x)}
+            for key in _MEANS:
+                vals = [v[key] for v in x if v[key] is not None]
+                entry[key] = float(np.mean(vals)) if vals else None
+            entry["ttft_s_median"] = float(np.median([v["ttft_s"] for v in x]))
+            entry["context_tokens_mean"] = float(np.mean([v["context_tokens"] for v in x]))
+            entry["retention"] = {}
+            for name, key in _RETAINED.items():
+                cx = [v[key] for v, _ in paired]
+                dx = [d[key] for _, d in paired]
+                if name == "likelihood":  # per-token likelihood, a positive quantity
+                    cx, dx = np.exp(cx), np.exp(dx)
+                entry["retention"][name] = metrics.retention(cx, dx).to_dict()
+            table.append(entry)
+        nc = [r["results"][NO_CONTEXT]["f1"] for r in group]
+        dc = [d["f1"] for d in direct]
+        if np.mean(dc) < np.mean(nc) + 0.1:
+            notes.append(f"{dataset} on {target}: direct context F1 {np.mean(dc):.2f} is not well above "
+                         f"no context {np.mean(nc):.2f}; this dataset measures little for this target")
+    return {"table": table, "notes": notes, "rows": len(rows)}
+
+
+def _condition_order(name: str) -> tuple[int, str]:
+    order = {NO_CONTEXT: 0, DIRECT: 1, "native_cache": 2}
+    return (order.get(name, 3), name)
+
+
+def _fmt(v, digits=2) -> str:
+    return "–" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.{digits}f}"
+
+
+def _ret(r: dict) -> str:
+    if r["value"] != r["value"]:  # NaN
+        return "–"
+    return f"{r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+
+
+def render_markdown(summary: dict[str, Any]) -> str:
+    run = summary.get("run", {})
+    lines = ["# cag eval results", ""]
+    if run:
+        lines += [f"Command: `{run.get('command', '')}`  ", f"Date: {run.get('date')}; machine: {run.get('machine')}; "
+                  f"source model: {run.get('source')}; top-k {run.get('top_k')}; chunk tokens {run.get('chunk_tokens')}.", ""]
+    lines += ["Retention = metric(condition) / metric(direct context) on the same questions and chunks, "
+              "with a paired bootstrap 95% interval. KL and top-1 are against direct context's next-token "
+              "distributions over the gold answer. TTFT excludes retrieval (the same for every condition).", "",
+              "| dataset | target | condition | n | EM | F1 | found | F1 retention | found retention | "
+              "likelihood retention | KL(DC‖X) | top-1 | TTFT s (median) | context tokens |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in summary["table"]:
+        r = e["retention"]
+        lines.append(f"| {e['dataset']} | {e['target']} | {e['condition']} | {e['n']} | {_fmt(e['exact_match'])} | "
+                     f"{_fmt(e['f1'])} | {_fmt(e['found'])} | {_ret(r['f1'])} | {_ret(r['found'])} | "
+                     f"{_ret(r['likelihood'])} | {_fmt(e['kl_from_direct'], 3)} | {_fmt(e['top1_with_direct'])} | "
+                     f"{_fmt(e['ttft_s_median'], 3)} | {e['context_tokens_mean']:.0f} |")
+    if summary.get("notes"):
+        lines += ["", "Notes:", *[f"- {n}" for n in summary["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], out_dir: Path) -> list[Path]:
+    """retention.png (F1 retention by condition and target, with intervals) and ttft.png."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    rows = [e for e in summary["table"] if e["condition"] != DIRECT]
+    if not rows:
+        return []
+    paths = []
+    labels = [f"{e['dataset']}\n{e['target']}\n{e['condition']}" for e in rows]
+    vals = [e["retention"]["f1"]["value"] for e in rows]
+    lows = [max(0.0, v - e["retention"]["f1"]["low"]) if v == v else 0 for v, e in zip(vals, rows)]
+    highs = [max(0.0, e["retention"]["f1"]["high"] - v) if v == v else 0 for v, e in zip(vals, rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
+    ax.bar(range(len(rows)), [v if v == v else 0 for v in vals], yerr=[lows, highs], capsize=3, color="#4c72b0")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("F1 retention vs direct context")
+    ax.set_title("Quality retention (95% paired bootstrap)")
+    fig.tight_layout()
+    paths.append(out_dir / "retention.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_cond: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in summary["table"]:
+        by_cond[f"{e['target']} {e['condition']}"].append((e["context_tokens_mean"], e["ttft_s_median"]))
+    for name, pts in sorted(by_cond.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("TTFT (s, median)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=6)
+    ax.set_title("Time to first token")
+    fig.tight_layout()
+    paths.append(out_dir / "ttft.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
