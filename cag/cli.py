@@ -6,6 +6,8 @@
     cag build CORPUS --store DIR [--source MODEL] [--chunk-tokens N] [--batch N] [--json]
     cag store stats|verify|gc DIR [--json]
     cag query "QUESTION" --store DIR [--target MODEL] [--mapper M] [--top-k K] [--recompute R] [--direct] [--json]
+    cag eval (--dataset NAME... | --qa FILE) [--store DIR] [--targets ...] [--methods ...] [--profile quick|full]
+    cag bench [--targets ...] [--lengths ...] [--methods ...] [--repeats N] [--json]
 
 Errors go to stderr with exit code 1; ``--json`` output goes to stdout, one
 object per line, so it can be piped.
@@ -397,6 +399,95 @@ def query(
     if direct and answers[0].timings.first_token > 0:
         out.print(f"TTFT speedup (direct / cached): "
                   f"{answers[1].timings.first_token / answers[0].timings.first_token:.1f}×")
+
+
+# ----------------------------------------------------------------------- eval / bench
+
+PROFILES = {
+    # about ten minutes on a 2-core CPU: a slice of each synthetic dataset
+    "quick": {"datasets": ["synthetic-kb", "needle"], "limit": 10, "max_new_tokens": 16,
+              "needle": {"lengths": (1024, 2048), "depths": (0.5,)}},
+    "full": {"datasets": ["synthetic-kb", "needle", "essay-qa"], "limit": None, "max_new_tokens": 24,
+             "needle": {"lengths": (1024, 2048, 4096, 8192), "depths": (0.1, 0.5, 0.9)}},
+}
+
+
+@app.command("eval")
+def eval_cmd(
+    dataset: Annotated[list[str] | None, typer.Option("--dataset", help="synthetic-kb, needle, essay-qa "
+                                                      "(repeatable; default: the profile's).")] = None,
+    qa: Annotated[Path | None, typer.Option("--qa", help="A JSONL file of questions (see README).")] = None,
+    store: Annotated[Path | None, typer.Option(help="A built store (for questions without documents).")] = None,
+    source: Annotated[str, typer.Option(help="Source model of the store built for the questions.")] = "smollm2-135m",
+    targets: Annotated[list[str] | None, typer.Option("--targets", help="Answering models (repeatable).")] = None,
+    methods: Annotated[list[str] | None, typer.Option("--methods", help="Mapper methods (repeatable).")] = None,
+    limit: Annotated[int | None, typer.Option(help="Questions per dataset.")] = None,
+    profile: Annotated[str, typer.Option(help="quick (about 10 min) or full.")] = "quick",
+    top_k: Annotated[int, typer.Option("--top-k", min=1)] = 4,
+    out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),
+    as_json: JsonFlag = False,
+) -> None:
+    """Quality retention against direct context: every condition, same chunks; writes a report."""
+    from rich.progress import Progress
+
+    from eval import datasets as ds
+    from eval.run import run_eval
+
+    if profile not in PROFILES:
+        raise _fail(f"unknown profile {profile!r}; use quick or full")
+    prof = PROFILES[profile]
+    targets = targets or ["qwen2.5-0.5b", "gemma3-270m"]
+    methods = methods or ["auto"]
+    try:
+        if qa is not None:
+            items = ds.load_jsonl(qa)
+        else:
+            items = []
+            for name in dataset or prof["datasets"]:
+                kw = {}
+                if name == "needle":  # lengths counted in the first target's tokens
+                    kw = dict(prof["needle"], tokenizer=registry.load(targets[0], "bfloat16").tokenizer)
+                items += ds.get_dataset(name, limit=limit if limit is not None else prof["limit"], **kw)
+    except (ValueError, TypeError, OSError, ds.DatasetFormatError) as e:
+        raise _fail(str(e)) from None
+    command = "cag eval " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "cag eval"
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("eval", total=len(items) * len(targets))
+
+        def progress(target: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, description=f"eval {target}")
+
+        try:
+            summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
+                               top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
+                               on_progress=progress)
+        except (registry.ModelError, ValueError) as e:
+            raise _fail(str(e)) from None
+    if as_json:
+        print(json.dumps(summary), flush=True)
+    else:
+        out.print((out_dir / "results.md").read_text(), highlight=False, soft_wrap=True)
+        err.print(f"results in {out_dir}/ (results.json, results.md, retention.png, ttft.png)")
+
+
+@app.command("bench")
+def bench_cmd(
+    source: Annotated[str, typer.Option(help="Source model of the translated-cache store.")] = "smollm2-135m",
+    targets: Annotated[list[str] | None, typer.Option("--targets", help="Answering models (repeatable).")] = None,
+    lengths: Annotated[list[int] | None, typer.Option("--lengths", help="Context lengths in target tokens.")] = None,
+    methods: Annotated[list[str] | None, typer.Option("--methods", help="Mapper methods (repeatable).")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Interleaved repeats after one warm-up.")] = 3,
+    out_dir: Annotated[Path, typer.Option("--out", help="Where ttft.json/.md/.png go.")] = Path("eval/results"),
+    as_json: JsonFlag = False,
+) -> None:
+    """TTFT: direct context vs native cache vs translated cache at 1K-8K context tokens."""
+    from eval.bench_ttft import main as bench_main
+
+    argv = ["--source", source, "--repeats", str(repeats), "--out", str(out_dir)]
+    argv += ["--targets", *(targets or ["qwen2.5-0.5b", "gemma3-270m"])]
+    argv += ["--lengths", *map(str, lengths or [1024, 2048, 4096, 8192])]
+    argv += ["--methods", *(methods or ["auto"])]
+    raise typer.Exit(bench_main(argv + (["--json"] if as_json else [])))
 
 
 def main() -> None:  # python -m cag.cli
