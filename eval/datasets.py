@@ -547,6 +547,36 @@ def essay_names() -> list[str]:
     return sorted(p.name for p in essays_dir().glob("*.txt"))
 
 
+def _essay_qa_docs() -> set[str]:
+    return {json.loads(line)["meta"]["gold_doc"] for line in Path(ESSAY_QA_PATH).read_text().splitlines()
+            if line.strip()}
+
+
+def calibration_essays() -> list[str]:
+    """Essays reserved for fitting mappers: every second essay that no essay-qa
+    question is about. No evaluation dataset ever reads them."""
+    qa = _essay_qa_docs()
+    return [n for n in essay_names() if n not in qa][::2]
+
+
+def evaluation_essays() -> list[str]:
+    """The essays evaluation may use (haystacks, distractors): all but the calibration ones."""
+    held = set(calibration_essays())
+    return [n for n in essay_names() if n not in held]
+
+
+def calibration_texts(words_per_text: int = 170) -> list[str]:
+    """The calibration essays cut into texts of about `words_per_text` words, at spaces."""
+    texts = []
+    for name in calibration_essays():
+        words = essay_text(name).split(" ")
+        for i in range(0, len(words), words_per_text):
+            piece = " ".join(words[i:i + words_per_text]).strip()
+            if piece:
+                texts.append(piece)
+    return texts
+
+
 _ESSAY_CACHE: dict[str, str] = {}
 
 
@@ -578,7 +608,7 @@ def essay_qa(*, seed: int = 0, pool: str = "used", path: str | os.PathLike | Non
         if "gold_doc" not in it.meta:
             raise DatasetFormatError(f"essay-qa item {it.id!r} has no meta.gold_doc")
     if pool == "all":
-        names = essay_names()
+        names = evaluation_essays()
     else:
         names = sorted({it.meta["gold_doc"] for it in raw})
     docs = {n: Document(n, essay_text(n)) for n in names}
@@ -668,7 +698,7 @@ def _needle_fact(rng: random.Random, names: _Names) -> tuple[str, str, str, str]
 
 
 def _corpus_pieces(start_essay: int) -> list[str]:
-    names = essay_names()
+    names = evaluation_essays()
     names = names[start_essay:] + names[:start_essay]
     pieces: list[str] = []
     for n in names:
@@ -775,7 +805,7 @@ def needle(*, seed: int = 0, lengths: Sequence[int] = (1024, 2048, 4096, 8192),
     count = token_counter(tokenizer)
     rng = random.Random(f"needle:{seed}")
     names = _Names(rng)
-    n_essays = len(essay_names())
+    n_essays = len(evaluation_essays())
     items = []
     piece_cache: dict[int, tuple[list[str], list[int]]] = {}
     for L in lengths:
@@ -801,7 +831,7 @@ def needle(*, seed: int = 0, lengths: Sequence[int] = (1024, 2048, 4096, 8192),
                     context="all",
                     meta={"dataset": "needle", "length_tokens": int(L), "actual_tokens": total,
                           "depth": float(depth), "actual_depth": round(actual, 4), "needle": sent,
-                          "needle_kind": kind, "start_essay": essay_names()[start],
+                          "needle_kind": kind, "start_essay": evaluation_essays()[start],
                           "tokenizer": "whitespace*1.3" if tokenizer is None
                           else (getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)},
                 ))

@@ -215,7 +215,7 @@ def test_essay_qa_pools():
     gold = get_dataset("essay-qa", pool="gold")
     assert all(len(i.documents) == 1 and i.documents[0].id == i.meta["gold_doc"] for i in gold)
     allp = get_dataset("essay-qa", pool="all", limit=1)
-    assert len(allp[0].documents) == len(D.essay_names())
+    assert len(allp[0].documents) == len(D.evaluation_essays())  # every essay but the calibration ones
     with pytest.raises(ValueError):
         get_dataset("essay-qa", pool="some")
 
@@ -336,3 +336,17 @@ def test_document_pool_conflict():
     b = QAItem("b", "q", ("x",), (Document("d", "two"),))
     with pytest.raises(DatasetFormatError, match="two different texts"):
         document_pool([a, b])
+
+
+def test_calibration_text_is_kept_apart_from_every_evaluation_text():
+    calibration = set(D.calibration_essays())
+    assert len(calibration) >= 10 and calibration.isdisjoint(D.evaluation_essays())
+    used = {it.meta["gold_doc"] for it in D.get_dataset("essay-qa")}
+    used |= {d.id for it in D.get_dataset("essay-qa", pool="all") for d in it.documents}
+    assert used.isdisjoint(calibration)
+    for item in D.get_dataset("needle", lengths=(2048,), depths=(0.5,)):
+        text = item.documents[0].text
+        for name in calibration:
+            head = D.essay_text(name)[200:320]
+            assert head not in text, name
+    assert sum(len(t.split()) for t in D.calibration_texts()) > 20_000
