@@ -441,7 +441,7 @@ def fit_cmd(
     size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
     row = {"source": source, "target": target, "method": method, "path": str(out_dir), "bytes": size,
            "fit_s": round(time.perf_counter() - started, 1),
-           **{k: v for k, v in mapper.fidelity.items() if isinstance(v, (int, float))}}
+           **{k: v for k, v in mapper.fidelity.get("heldout", {}).items() if isinstance(v, (int, float))}}
     if as_json:
         print(json.dumps(row), flush=True)
     else:
@@ -451,11 +451,11 @@ def fit_cmd(
 @mappers_app.command("list")
 def mappers_list(as_json: JsonFlag = False) -> None:
     """Every mapper found (shipped and fitted locally): pair, method, size, fidelity."""
-    from cag.mapping import available_mappers
+    from cag.mapping import available_mappers, card_fidelity
 
     rows = []
     for folder, card in available_mappers():
-        fid = card.get("fidelity") or {}
+        fid = card_fidelity(card)
         rows.append({"source": card["source"].get("name"), "target": card["target"].get("name"),
                      "method": card.get("method"), "path": str(folder),
                      "bytes": sum(p.stat().st_size for p in folder.iterdir() if p.is_file()),

@@ -47,8 +47,14 @@ def available_mappers() -> list[tuple[Path, dict[str, Any]]]:
     return found
 
 
+def card_fidelity(card: dict[str, Any]) -> dict[str, Any]:
+    """The held-out fidelity figures of a mapper card (R², attention cosine, KL, top-1)."""
+    fidelity = card.get("fidelity") or {}
+    return fidelity.get("heldout", fidelity)
+
+
 def _score(card: dict[str, Any]) -> float:
-    kl = (card.get("fidelity") or {}).get("kl")
+    kl = card_fidelity(card).get("kl")
     return float(kl) if isinstance(kl, (int, float)) else float("inf")
 
 

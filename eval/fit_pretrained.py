@@ -30,7 +30,12 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ridge", "latent"])
     parser.add_argument("--words", type=int, default=8000, help="calibration words per fit")
     parser.add_argument("--pairs", nargs="*", help="source:target pairs (default: all six directions)")
+    parser.add_argument("--table-only", action="store_true", help="only rebuild the table from the shipped cards")
     args = parser.parse_args()
+    if args.table_only:
+        write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} "
+                    f"--methods {' '.join(args.methods)}")
+        return
     pairs = [tuple(p.split(":")) for p in args.pairs] if args.pairs else list(itertools.permutations(MODELS, 2))
     texts, words = [], 0
     for text in calibration_texts():
@@ -49,11 +54,26 @@ def main() -> None:
         size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
         row = {"source": source, "target": target, "method": method, "bytes": size,
                "wall_s": round(time.perf_counter() - started, 1), "fit_seconds": mapper.fit_seconds,
-               **{k: v for k, v in mapper.fidelity.items() if isinstance(v, (int, float))}}
+               **{k: v for k, v in mapper.fidelity.get("heldout", {}).items() if isinstance(v, (int, float))}}
         results[f"{source}__{target}__{method}"] = row
         print(json.dumps(row), flush=True)
         results_path.write_text(json.dumps(results, indent=2))
-    write_table(results, f"python eval/fit_pretrained.py --words {args.words} --methods {' '.join(args.methods)}")
+    write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} "
+                f"--methods {' '.join(args.methods)}")
+
+
+def rows_from_cards() -> dict:
+    """One row per shipped artifact, from its card (what `cag mappers list` shows)."""
+    rows = {}
+    for card_path in sorted((ROOT / "mappers/pretrained").glob("*/card.json")):
+        card = json.loads(card_path.read_text())
+        folder = card_path.parent
+        rows[folder.name] = {"source": card["source"]["name"], "target": card["target"]["name"],
+                             "method": card["method"], "wall_s": card.get("fit_seconds") or 0.0,
+                             "bytes": sum(p.stat().st_size for p in folder.iterdir() if p.is_file()),
+                             "tokens": (card.get("fitted_on") or {}).get("train_tokens"),
+                             **(card.get("fidelity") or {}).get("heldout", {})}
+    return rows
 
 
 def write_table(results: dict, command: str) -> None:
@@ -63,12 +83,12 @@ def write_table(results: dict, command: str) -> None:
              "Fidelity on held-out calibration texts (about 200-token chunks, the last quarter as continuation): "
              "R² of keys and values, attention-output cosine, next-token KL(native ‖ translated) and top-1 "
              "agreement against the target's own prefill, and the same KL with no context at all.", "",
-             "| source → target | method | MB | fit s | K R² | V R² | attn cos | KL | KL no context | top-1 | top-1 no context |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| source → target | method | MB | train tokens | fit s | K R² | V R² | attn cos | KL | KL no context | top-1 | top-1 no context |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results.values():
         g = lambda k: f"{row[k]:.3f}" if isinstance(row.get(k), (int, float)) else "–"
         lines.append(f"| {row['source']} → {row['target']} | {row['method']} | {row['bytes'] / 1e6:.1f} | "
-                     f"{row['wall_s']:.0f} | {g('key_r2')} | {g('value_r2')} | {g('attn_cos')} | {g('kl')} | "
+                     f"{row.get('tokens') or '–'} | {row['wall_s']:.0f} | {g('key_r2')} | {g('value_r2')} | {g('attn_cos')} | {g('kl')} | "
                      f"{g('kl_no_context')} | {g('top1')} | {g('top1_no_context')} |")
     (ROOT / "eval/results/mappers.md").write_text("\n".join(lines) + "\n")
 
