@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from cag.context import CachedContext
-from cag.generate import generate, stop_token_ids
+from cag.generate import generate, last_logits, stop_token_ids
 from eval import metrics
 
 NO_CONTEXT, DIRECT, NATIVE = "no_context", "direct", "native_cache"
@@ -91,8 +91,8 @@ class ItemRunner:
         context = [lm.tokenize(h.text)[0] for h in hits] if with_context else []
         ids = torch.cat([asm.prefix_ids, *context])
         cache = DynamicCache(config=lm.model.config)
-        with torch.inference_mode():
-            lm.model(input_ids=ids[None], past_key_values=cache, logits_to_keep=1)
+        with torch.inference_mode():  # the base model: the context needs no logits
+            lm.model.model(input_ids=ids[None], past_key_values=cache, use_cache=True)
         return _Run(cache, asm.question_ids(item.question), sum(c.numel() for c in context),
                     time.perf_counter() - started, [])
 
@@ -127,8 +127,7 @@ class ItemRunner:
     @torch.inference_mode()
     def _teacher_forced(self, run: _Run, gold: torch.Tensor) -> torch.Tensor:
         ids = torch.cat([run.question_ids, gold[:-1]])
-        logits = self.lm.model(input_ids=ids[None], past_key_values=copy.deepcopy(run.cache),
-                               logits_to_keep=gold.numel()).logits[0]
+        logits = last_logits(self.lm.model, ids[None], copy.deepcopy(run.cache), positions=gold.numel())
         return torch.log_softmax(logits.float(), -1)
 
     def run(self, item) -> dict[str, ConditionResult]:
