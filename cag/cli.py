@@ -499,6 +499,8 @@ def eval_cmd(
     limit: Annotated[int | None, typer.Option(help="Questions per dataset.")] = None,
     profile: Annotated[str, typer.Option(help="quick (about 10 min) or full.")] = "quick",
     top_k: Annotated[int, typer.Option("--top-k", min=1)] = 4,
+    recompute: Annotated[float, typer.Option(help="CacheBlend recompute ratio for the cached conditions.",
+                                             min=0.0, max=1.0)] = 0.0,
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),
     as_json: JsonFlag = False,
 ) -> None:
@@ -535,6 +537,7 @@ def eval_cmd(
         try:
             summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
                                top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
+                               recompute_ratio=recompute,
                                on_progress=progress)
         except (registry.ModelError, ValueError) as e:
             raise _fail(str(e)) from None
