@@ -26,14 +26,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from cag.kv import text_sha256
 from mappers.base import Mapper, mapper_class
 from mappers.fidelity import measure_fidelity
 from mappers.linear import KINDS, LinearKVMapper
-from mappers.stats import MomentAccumulator
 
 STATE_DIR = "fit_state"
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import pickle
 
 import diskcache
 import pytest
 from typer.testing import CliRunner
 
 from cag.cli import app
-from cag.kv import KVChunk
 from stores.diskcache_store import DiskCacheChunkStore
 from stores.manifest import chunks_dir, open_current
 from tests.stores.test_build import doc

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
-import torch
 
 from cag.context import CachedContext, EmptyStoreError
 from cag.mapping import MapperNotFoundError
