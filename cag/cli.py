@@ -479,7 +479,7 @@ def mappers_list(as_json: JsonFlag = False) -> None:
 # ----------------------------------------------------------------------- eval / bench
 
 PROFILES = {
-    # about ten minutes on a 2-core CPU: a slice of each synthetic dataset
+    # about four minutes for two targets on a 2-core CPU: a slice of each synthetic dataset
     "quick": {"datasets": ["synthetic-kb", "needle"], "limit": 10, "max_new_tokens": 16,
               "needle": {"lengths": (1024, 2048), "depths": (0.5,)}},
     "full": {"datasets": ["synthetic-kb", "needle", "essay-qa"], "limit": None, "max_new_tokens": 24,
@@ -497,7 +497,7 @@ def eval_cmd(
     targets: Annotated[list[str] | None, typer.Option("--targets", help="Answering models (repeatable).")] = None,
     methods: Annotated[list[str] | None, typer.Option("--methods", help="Mapper methods (repeatable).")] = None,
     limit: Annotated[int | None, typer.Option(help="Questions per dataset.")] = None,
-    profile: Annotated[str, typer.Option(help="quick (about 10 min) or full.")] = "quick",
+    profile: Annotated[str, typer.Option(help="quick (a few minutes) or full (hours).")] = "quick",
     top_k: Annotated[int, typer.Option("--top-k", min=1)] = 4,
     recompute: Annotated[float, typer.Option(help="CacheBlend recompute ratio for the cached conditions.",
                                              min=0.0, max=1.0)] = 0.0,
