@@ -254,11 +254,11 @@ def build_store(
 
     # 2. prefill what the store lacks
     try:
-        todo: dict[str, str] = {}  # key -> text, in corpus order, each key once
+        todo: dict[str, Chunk] = {}  # key -> chunk, in corpus order, each key once
         for p in planned:
             for key, c in zip(p.entry.chunk_keys, p.chunks):
                 if key not in todo and not store.contains(key):
-                    todo[key] = c.text
+                    todo[key] = c
         prefill_started = time.perf_counter()
         _prefill_into(store, source, todo, settings, batch_size, dtype, summary, emit, progress)
         summary.prefill_s = time.perf_counter() - prefill_started
@@ -308,15 +308,15 @@ def build_store(
     return summary
 
 
-def _prefill_into(store, source: LoadedModel, todo: dict[str, str], settings: dict, batch_size: int,
+def _prefill_into(store, source: LoadedModel, todo: dict[str, Chunk], settings: dict, batch_size: int,
                   dtype: str, summary: BuildSummary, emit, progress: bool) -> None:
     items = list(todo.items())
-    lengths = [source.tokenize(text)[0].numel() for _, text in items] if progress else []
     with _progress(progress) as bar:
-        task = bar.add_task("prefill", total=sum(lengths), unit="tokens") if bar else None
+        # the total counts tokens as the chunker did (whole-document tokenization)
+        task = bar.add_task("prefill", total=sum(c.n_tokens for _, c in items), unit="tokens") if bar else None
         for start in range(0, len(items), max(1, batch_size)):
             batch = items[start:start + batch_size]
-            chunks = source.prefill_batch([text for _, text in batch], settings=settings)
+            chunks = source.prefill_batch([c.text for _, c in batch], settings=settings)
             for (key, _), chunk in zip(batch, chunks):
                 store.put(key, chunk.to_bytes(dtype))
                 summary.chunks_prefilled += 1

@@ -115,14 +115,10 @@ class LoadedModel:
         all_keys = torch.stack([layer.keys for layer in layers], dim=1)  # [batch, layers, heads, tokens, dim]
         all_values = torch.stack([layer.values for layer in layers], dim=1)
         n_sink = sink.numel()
-        chunks = []
-        for i, ((ids, offsets), text) in enumerate(zip(encoded, texts)):
-            end = n_sink + ids.numel()
-            keys = self.adapter.derotate(all_keys[i, :, :, n_sink:end], torch.arange(n_sink, end))
-            chunks.append(KVChunk(keys.contiguous(), all_values[i, :, :, n_sink:end].contiguous(), ids,
-                                  offsets, text_sha256(text), self.fingerprint,
-                                  {"sink_ids": list(self.sink_ids), **(settings or {})}))
-        return chunks
+        return [self._chunk_from_states(all_keys[i, :, :, : n_sink + ids.numel()],
+                                        all_values[i, :, :, : n_sink + ids.numel()], n_sink, ids, offsets,
+                                        text_sha256(text), list(self.sink_ids), settings)
+                for i, ((ids, offsets), text) in enumerate(zip(encoded, texts))]
 
     def prefix_chunk(self) -> KVChunk:
         """The shared sink prefix itself as a chunk (placed once, at position 0)."""
@@ -144,15 +140,19 @@ class LoadedModel:
         out = self.model(input_ids=full[None].to(self.device), past_key_values=DynamicCache(),
                          use_cache=True)
         keys, values = self.adapter.cache_tensors(out.past_key_values)
-        n_sink = len(sink)
-        positions = torch.arange(n_sink, full.numel())
-        keys = self.adapter.derotate(keys[:, :, n_sink:], positions)
-        values = values[:, :, n_sink:]
         if offsets is None:
             offsets = torch.zeros(ids.numel(), 2, dtype=torch.long)
-        chunk_settings = {"sink_ids": sink, **(settings or {})}
-        return KVChunk(keys.contiguous(), values.contiguous(), ids.to(torch.long), offsets,
-                       text_hash, self.fingerprint, chunk_settings)
+        return self._chunk_from_states(keys, values, len(sink), ids.to(torch.long), offsets, text_hash,
+                                       sink, settings)
+
+    def _chunk_from_states(self, keys: torch.Tensor, values: torch.Tensor, n_sink: int, ids: torch.Tensor,
+                           offsets: torch.Tensor, text_hash: str, sink: list[int],
+                           settings: dict[str, Any] | None) -> KVChunk:
+        """Sink + chunk states ``[layers, heads, n_sink + tokens, dim]`` → the chunk's own, de-rotated."""
+        total = keys.shape[2]
+        keys = self.adapter.derotate(keys[:, :, n_sink:], torch.arange(n_sink, total))
+        return KVChunk(keys.contiguous(), values[:, :, n_sink:].contiguous(), ids, offsets, text_hash,
+                       self.fingerprint, {"sink_ids": sink, **(settings or {})})
 
     # ---------------------------------------------------------- chunk → cache
 
