@@ -1,6 +1,7 @@
 """Translation between KV spaces: token and layer alignment, the mapper interface
-and artifact format, the methods (identity, KV Ridge, Dense Latent), fitting and
-fidelity. Imports only the ground (`cag.kv`, `cag.models`); names load lazily.
+and artifact format, the methods (identity, KV Ridge, Dense Latent, HeteroFold,
+Mixture-of-Translators), fitting, the training loop and fidelity. Imports only
+the ground (`cag.kv`, `cag.models`); names load lazily.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _EXPORTS = {
     "IdentityMapper": "mappers.identity",
     "RidgeMapper": "mappers.ridge",
     "LatentMapper": "mappers.latent",
+    "HeteroFoldMapper": "mappers.heterofold",
     "align_tokens": "mappers.token_alignment",
     "agreed_spans": "mappers.token_alignment",
     "TokenAlignment": "mappers.token_alignment",
