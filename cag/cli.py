@@ -6,7 +6,7 @@
     cag build CORPUS --store DIR [--source MODEL] [--chunk-tokens N] [--batch N] [--json]
     cag store stats|verify|gc DIR [--json]
     cag query "QUESTION" --store DIR [--target MODEL] [--mapper M] [--top-k K] [--recompute R] [--direct] [--json]
-    cag fit --source A --target B --method ridge|latent [--tokens N] [--out DIR]
+    cag fit --source A --target B --method ridge|latent|heterofold|mot [--tokens N] [--set K=JSON] [--out DIR]
     cag mappers list [--json]
     cag eval (--dataset NAME... | --qa FILE) [--store DIR] [--targets ...] [--methods ...] [--profile quick|full]
     cag bench [--targets ...] [--lengths ...] [--methods ...] [--repeats N] [--json]
@@ -412,9 +412,11 @@ def query(
 def fit_cmd(
     source: Annotated[str, typer.Option(help="Source model (whose chunks are translated).")],
     target: Annotated[str, typer.Option(help="Target model (which answers).")],
-    method: Annotated[str, typer.Option(help="ridge or latent.")] = "ridge",
+    method: Annotated[str, typer.Option(help="ridge, latent, heterofold or mot.")] = "ridge",
     tokens: Annotated[int, typer.Option(help="Calibration words to use (about 1.3 tokens each).")] = 8000,
     layer_radius: Annotated[int, typer.Option(help="Neighbouring source layers on each side.")] = 1,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="A method setting, KEY=JSON (repeatable), "
+                                                   "e.g. --set calib_steps=100 --set experts=2.")] = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Artifact folder "
                                                  "(default: $CAG_HOME/mappers/SOURCE__TARGET__METHOD).")] = None,
     as_json: JsonFlag = False,
@@ -422,7 +424,7 @@ def fit_cmd(
     """Fit a mapper on the bundled calibration essays (kept apart from every evaluation text); resumable."""
     from eval.datasets import calibration_texts
     from mappers.base import MapperError
-    from mappers.fit import fit_mapper
+    from mappers.fit import fit_mapper, parse_settings
 
     texts, words = [], 0
     for text in calibration_texts():
@@ -432,9 +434,13 @@ def fit_cmd(
         words += len(text.split())
     out_dir = out_dir or registry.cag_home() / "mappers" / f"{source}__{target}__{method}"
     try:
+        settings = {"layer_radius": layer_radius, **parse_settings(set_ or [])}
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    try:
         src, tgt = registry.load(source, "bfloat16"), registry.load(target, "bfloat16")
         started = time.perf_counter()
-        mapper = fit_mapper(src, tgt, method, texts, out_dir, settings={"layer_radius": layer_radius},
+        mapper = fit_mapper(src, tgt, method, texts, out_dir, settings=settings,
                             corpus_name=f"cag calibration essays ({len(texts)} texts, {words} words)")
     except (MapperError, registry.ModelError, ValueError) as e:
         raise _fail(str(e)) from None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cag.models import registry
 from eval.datasets import calibration_texts
-from mappers.fit import fit_mapper
+from mappers.fit import fit_mapper, parse_settings
 
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ridge", "latent"])
     parser.add_argument("--words", type=int, default=8000, help="calibration words per fit")
     parser.add_argument("--pairs", nargs="*", help="source:target pairs (default: all six directions)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="a method setting for every fit (repeatable)")
     parser.add_argument("--table-only", action="store_true", help="only rebuild the table from the shipped cards")
     args = parser.parse_args()
     if args.table_only:
@@ -43,13 +45,14 @@ def main() -> None:
             break
         texts.append(text)
         words += len(text.split())
+    settings = parse_settings(args.set)
     loaded = {name: registry.load(name, "bfloat16") for name in {m for p in pairs for m in p}}
     results_path = ROOT / "eval/results/mappers.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for (source, target), method in itertools.product(pairs, args.methods):
         out = ROOT / "mappers/pretrained" / f"{source}__{target}__{method}"
         started = time.perf_counter()
-        mapper = fit_mapper(loaded[source], loaded[target], method, texts, out,
+        mapper = fit_mapper(loaded[source], loaded[target], method, texts, out, settings=settings,
                             corpus_name=f"cag calibration essays ({len(texts)} texts, {words} words)")
         size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
         row = {"source": source, "target": target, "method": method, "bytes": size,
@@ -59,7 +62,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results_path.write_text(json.dumps(results, indent=2))
     write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} "
-                f"--methods {' '.join(args.methods)}")
+                f"--methods {' '.join(args.methods)}" + "".join(f" --set {s}" for s in args.set))
 
 
 def rows_from_cards() -> dict:

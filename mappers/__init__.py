@@ -23,6 +23,7 @@ _EXPORTS = {
     "RidgeMapper": "mappers.ridge",
     "LatentMapper": "mappers.latent",
     "HeteroFoldMapper": "mappers.heterofold",
+    "MoTMapper": "mappers.mot",
     "align_tokens": "mappers.token_alignment",
     "agreed_spans": "mappers.token_alignment",
     "TokenAlignment": "mappers.token_alignment",

@@ -37,6 +37,20 @@ from mappers.linear import KINDS, LinearKVMapper
 STATE_DIR = "fit_state"
 
 
+def parse_settings(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["calib_steps=100", "recolor=false"]`` → settings; values are JSON (bare words stay strings)."""
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set wants KEY=VALUE, got {pair!r}")
+        try:
+            settings[key.strip()] = json.loads(raw)
+        except ValueError:
+            settings[key.strip()] = raw
+    return settings
+
+
 def is_heldout(text: str, fraction: float, seed: int = 0) -> bool:
     if fraction <= 0:
         return False

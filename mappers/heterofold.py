@@ -135,7 +135,7 @@ class HeteroFoldMapper(RidgeMapper):
             params[f"{kind}.bias"] = torch.zeros(L, D)
         for t in params.values():
             t.requires_grad_(True)
-        ctx = _AttentionReplay(target)
+        ctx = self._replay(target)
 
         def loss_of(item) -> torch.Tensor:
             return ctx.loss(item, self._corrected(item, params), float(s["value_loss_weight"]))
@@ -158,6 +158,7 @@ class HeteroFoldMapper(RidgeMapper):
                        checkpoint_dir=Path(state_dir) / "heterofold", config_id=config_id,
                        progress=progress, description=f"calibrate {self.method}", on_step=on_step)
         self._fold(params)
+        self._replay_cache = None  # fp32 copies of the target's o_proj: not kept past the fit
         report["items"] = {"train": len(train_items), "heldout": len(held_items)}
         return report
 
@@ -213,8 +214,13 @@ class HeteroFoldMapper(RidgeMapper):
             items.append({"hash": hashlib.sha256(text.encode()).hexdigest()[:16], "base": base,
                           "has_source": alignment.has_source, "layers": layers, "n_sink": n_sink,
                           "T": T, "Tc": ids_cont.numel()})
-        _AttentionReplay(target).precompute_native(items)
+        self._replay(target).precompute_native(items)
         return items
+
+    def _replay(self, target) -> "_AttentionReplay":
+        if getattr(self, "_replay_cache", None) is None or self._replay_cache.target is not target:
+            self._replay_cache = _AttentionReplay(target)
+        return self._replay_cache
 
 
 class _AttentionReplay:
@@ -222,7 +228,8 @@ class _AttentionReplay:
 
     def __init__(self, target) -> None:
         self.target = target
-        self.o_proj = [layer.self_attn.o_proj for layer in target.model.model.layers]
+        # fp32 copies made once, detached: the target stays frozen
+        self.o_proj = [layer.self_attn.o_proj.weight.detach().float() for layer in target.model.model.layers]
 
     def _scores(self, q, k, scaling, window, q_pos, k_pos):
         hq, hk = q.shape[0], k.shape[0]
@@ -243,8 +250,7 @@ class _AttentionReplay:
         if hq != hk:
             v = v.repeat_interleave(hq // hk, dim=0)
         o = (probs @ v).transpose(0, 1).reshape(probs.shape[1], -1)         # [Tc, Hq·Dh]
-        w = self.o_proj[layer].weight.float()
-        return o @ w.t()
+        return o @ self.o_proj[layer].t()
 
     @torch.no_grad()
     def precompute_native(self, items) -> None:

@@ -151,7 +151,7 @@ def _quadratic(seed=0):
 
 def test_train_lowers_loss_and_restores_best():
     w, step_loss, target = _quadratic()
-    held = lambda: float(((w - target) ** 2).sum())
+    held = lambda: float(((w.detach() - target) ** 2).sum())
     report = train({"w": w}, step_loss, config=TrainConfig(steps=60, lr=0.1, accumulate=2, eval_every=5,
                                                             patience=0), heldout_loss=held, progress=False)
     assert report["last_loss"] < report["first_loss"]
