@@ -14,6 +14,9 @@ The assembled sequence is ``[head | chunk 1 | chunk 2 | ... ]`` at positions
   whose cached K/V deviate most from a fresh computation at a check layer are
   recomputed by the target, attending to everything before them; r = 1 is the
   target's own prefill of the whole context (direct context), r = 0 costs nothing.
+  With ``recompute_select="question"`` the tokens are those the question attends
+  to most over the placed cache (a cheap pass of the question alone), which is
+  what a translated cache needs: its keys find the facts, its values lose them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from transformers import DynamicCache
 from cag.kv import KVChunk, text_sha256
 from cag.models.loaded import LoadedModel
 from cag.prompt import PromptLayout
+
+
+RECOMPUTE_SELECT = ("deviation", "question")
 
 
 @dataclass
@@ -91,10 +97,21 @@ class Assembler:
 
     # --------------------------------------------------------------- assembly
 
-    def place(self, chunks: Sequence[KVChunk], *, recompute_ratio: float = 0.0) -> Placed:
-        """Build the cache of head + `chunks` (target-space), recomputing a fraction."""
+    def place(self, chunks: Sequence[KVChunk], *, recompute_ratio: float = 0.0,
+              recompute_select: str = "deviation", question_ids: torch.Tensor | None = None) -> Placed:
+        """Build the cache of head + `chunks` (target-space), recomputing a fraction.
+
+        `recompute_select`: which tokens are recomputed; ``"deviation"`` (CacheBlend:
+        those whose K/V differ most from a fresh computation at the check layer) or
+        ``"question"`` (those the question attends to most, and their neighbours;
+        needs `question_ids`).
+        """
         if not 0.0 <= recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+        if recompute_select not in RECOMPUTE_SELECT:
+            raise ValueError(f"recompute_select must be one of {RECOMPUTE_SELECT}, got {recompute_select!r}")
+        if recompute_select == "question" and recompute_ratio > 0 and question_ids is None:
+            raise ValueError("question-guided recompute needs the question's ids")
         started = time.perf_counter()
         parts = [self.prefix(), *chunks]
         for chunk in chunks:
@@ -110,7 +127,14 @@ class Assembler:
         recompute_started = time.perf_counter()
         n_recompute = round(recompute_ratio * (total - n_prefix))
         if n_recompute:
-            keys, values = self._recompute(keys, values, context_ids, n_prefix, n_recompute)
+            with self.model_lock:
+                if n_recompute >= total - n_prefix:
+                    chosen = torch.arange(n_prefix, total)
+                elif recompute_select == "question":
+                    chosen = self._question_guided(keys, values, context_ids, n_prefix, n_recompute, question_ids)
+                else:
+                    chosen = self._most_deviating(keys, values, context_ids, n_prefix, n_recompute)
+                keys, values = self._recompute(keys, values, context_ids, chosen)
         recompute_s = time.perf_counter() - recompute_started
         cache = adapter.fill_cache(keys, values)
         return Placed(cache, context_ids, n_prefix, n_recompute,
@@ -137,20 +161,59 @@ class Assembler:
         return cache.layers[layer].keys[0], cache.layers[layer].values[0]
 
     @torch.inference_mode()
+    def _most_deviating(self, keys, values, context_ids, n_prefix: int, n_recompute: int) -> torch.Tensor:
+        """CacheBlend's choice: the context tokens whose K/V deviate most at the check layer."""
+        fresh_k, fresh_v = self._fresh_kv(context_ids, self.check_layer)
+        cached_k, cached_v = keys[self.check_layer], values[self.check_layer]
+        deviation = ((fresh_k - cached_k).float().norm(dim=-1).sum(0)
+                     + (fresh_v - cached_v).float().norm(dim=-1).sum(0))
+        top = torch.topk(deviation[n_prefix:], n_recompute).indices + n_prefix
+        return torch.sort(top).values
+
+    @torch.inference_mode()
+    def _question_guided(self, keys, values, context_ids, n_prefix: int, n_recompute: int,
+                         question_ids: torch.Tensor) -> torch.Tensor:
+        """The context tokens the question attends to most, spread to their neighbours.
+
+        The question is run once over the placed cache (a throwaway copy) and its
+        attention mass on each context token, averaged over layers, heads and
+        question tokens, is smoothed over a window of 3 (a fact is a span of
+        tokens: a name's first piece draws the attention, the rest must be
+        right too). Keys decide where attention goes, and translated keys keep
+        that well enough; translated values lose token identity (see README), so
+        recomputing where the question looks repairs the values that matter.
+        """
+        from cag.models.attention import attention_logits, capture_attention
+
+        total = context_ids.numel()
+        cache = DynamicCache()
+        for i in range(self.target.adapter.num_layers):
+            cache.update(keys[i][None], values[i][None], i)
+        captured: dict = {}
+        q_len = question_ids.numel()
+        with capture_attention(self.target.model, captured):
+            self.target.model.model(input_ids=question_ids[None].to(self.target.device),
+                                    past_key_values=cache, use_cache=True)
+        q_pos = torch.arange(total, total + q_len)
+        k_pos = torch.arange(total + q_len)
+        mass = torch.zeros(total)
+        for layer in range(self.target.adapter.num_layers):
+            q, k, _, scaling, window = captured[layer]
+            probs = torch.softmax(attention_logits(q, k, scaling, window, q_pos, k_pos), -1)
+            mass += probs[:, :, :total].float().mean(dim=(0, 1)).cpu()
+        mass[:n_prefix] = 0.0  # the shared prefix is the sink: always native, never recomputed
+        smooth = torch.nn.functional.max_pool1d(mass[None, None], 3, stride=1, padding=1)[0, 0]
+        smooth = smooth + 1e-3 * mass  # ties (a span's neighbours) go to the token itself first
+        smooth[:n_prefix] = -1.0
+        top = torch.topk(smooth, n_recompute).indices
+        return torch.sort(top).values
+
+    @torch.inference_mode()
     def _recompute(self, keys: torch.Tensor, values: torch.Tensor, context_ids: torch.Tensor,
-                   n_prefix: int, n_recompute: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recompute `n_recompute` context tokens; returns full rotated K and V, position order."""
+                   chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recompute the `chosen` context positions; returns full rotated K and V, position order."""
         total = context_ids.numel()
         with self.model_lock:
-            if n_recompute >= total - n_prefix:
-                chosen = torch.arange(n_prefix, total)
-            else:
-                fresh_k, fresh_v = self._fresh_kv(context_ids, self.check_layer)
-                cached_k, cached_v = keys[self.check_layer], values[self.check_layer]
-                deviation = ((fresh_k - cached_k).float().norm(dim=-1).sum(0)
-                             + (fresh_v - cached_v).float().norm(dim=-1).sum(0))
-                top = torch.topk(deviation[n_prefix:], n_recompute).indices + n_prefix
-                chosen = torch.sort(top).values
             keep = torch.ones(total, dtype=torch.bool)
             keep[chosen] = False
             kept = torch.nonzero(keep).squeeze(1)

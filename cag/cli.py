@@ -507,6 +507,8 @@ def eval_cmd(
     top_k: Annotated[int, typer.Option("--top-k", min=1)] = 4,
     recompute: Annotated[float, typer.Option(help="CacheBlend recompute ratio for the cached conditions.",
                                              min=0.0, max=1.0)] = 0.0,
+    recompute_select: Annotated[str, typer.Option(help="Which tokens are recomputed: deviation (CacheBlend) "
+                                                  "or question (where the question attends).")] = "deviation",
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),
     as_json: JsonFlag = False,
 ) -> None:
@@ -543,7 +545,7 @@ def eval_cmd(
         try:
             summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
                                top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
-                               recompute_ratio=recompute,
+                               recompute_ratio=recompute, recompute_select=recompute_select,
                                on_progress=progress)
         except (registry.ModelError, ValueError) as e:
             raise _fail(str(e)) from None

@@ -126,6 +126,9 @@ class CachedContext(BaseModel):
     top_k: int = Field(4, ge=1, description="Chunks retrieved per question.")
     recompute_ratio: float = Field(0.0, ge=0.0, le=1.0, description="CacheBlend: fraction of context "
                                    "tokens the target recomputes (0 = none, 1 = direct context).")
+    recompute_select: Literal["deviation", "question"] = Field(
+        "deviation", description="Which tokens are recomputed: 'deviation' (CacheBlend: K/V furthest from "
+        "a fresh computation) or 'question' (where the question attends; suits translated caches).")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -255,7 +258,8 @@ class CachedContext(BaseModel):
         reserve = question_ids.numel() + (max_new_tokens or self.max_new_tokens)
         chunks, used = self._fit_window(chunks, used, reserve, notes)
         with asm.model_lock:
-            placed = asm.place(chunks, recompute_ratio=self.recompute_ratio)
+            placed = asm.place(chunks, recompute_ratio=self.recompute_ratio,
+                               recompute_select=self.recompute_select, question_ids=question_ids)
         timings.assemble, timings.recompute = placed.assemble_s, placed.recompute_s
         for note in notes:
             warnings.warn(note, stacklevel=3)

@@ -101,8 +101,10 @@ class ItemRunner:
         lm, asm = self.lm, self.base.assembler
         chunks = [lm.prefill(h.text) for h in hits]
         started = time.perf_counter()
-        placed = asm.place(chunks, recompute_ratio=self.base.recompute_ratio)
-        return _Run(placed.cache, asm.question_ids(item.question),
+        question_ids = asm.question_ids(item.question)
+        placed = asm.place(chunks, recompute_ratio=self.base.recompute_ratio,
+                           recompute_select=self.base.recompute_select, question_ids=question_ids)
+        return _Run(placed.cache, question_ids,
                     placed.context_ids.numel() - placed.prefix_tokens, time.perf_counter() - started, [])
 
     def _cached_run(self, ctx: CachedContext, item, hits) -> _Run:

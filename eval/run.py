@@ -59,7 +59,7 @@ def _done(path: Path) -> set[tuple[str, str]]:
 def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, source: str = "smollm2-135m",
              targets: Sequence[str] = ("qwen2.5-0.5b", "gemma3-270m"), methods: Sequence[str] = ("auto",),
              top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
-             recompute_ratio: float = 0.0, command: str = "", on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+             recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "", on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if store is None:
         store = out_dir / "store"
@@ -71,7 +71,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
     count = len([1 for i in items for t in targets if (i.id, t) in done])
     for target in targets:
         settings = dict(store=store, target=target, top_k=top_k, max_new_tokens=max_new_tokens,
-                        embedder=embedder, translation_cache_mb=0, recompute_ratio=recompute_ratio)
+                        embedder=embedder, translation_cache_mb=0, recompute_ratio=recompute_ratio,
+                        recompute_select=recompute_select)
         base = CachedContext(mapper="identity", **settings)
         contexts: dict[str, CachedContext] = {}
         for method in methods:
@@ -103,7 +104,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
     summary["run"] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                       "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "source": source,
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
-                      "recompute_ratio": recompute_ratio,
+                      "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     (out_dir / TABLE).write_text(render_markdown(summary))
@@ -173,7 +174,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
     if run:
         lines += [f"Command: `{run.get('command', '')}`  ", f"Date: {run.get('date')}; machine: {run.get('machine')}; "
                   f"source model: {run.get('source')}; top-k {run.get('top_k')}; chunk tokens {run.get('chunk_tokens')}; "
-                  f"recompute ratio {run.get('recompute_ratio', 0.0)} (native and cached conditions).", ""]
+                  f"recompute ratio {run.get('recompute_ratio', 0.0)}, selected by {run.get('recompute_select', 'deviation')} (native and cached conditions).", ""]
     lines += ["Retention = metric(condition) / metric(direct context) on the same questions and chunks, "
               "with a paired bootstrap 95% interval. KL and top-1 are against direct context's next-token "
               "distributions over the gold answer. TTFT excludes retrieval (the same for every condition).", "",

@@ -25,12 +25,12 @@ the characters, cut at whitespace), and with the rest as the chunk it measures:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from cag.models.attention import attend, capture_attention
 from mappers.token_alignment import align_tokens
 
 
@@ -43,48 +43,6 @@ def split_continuation(text: str, fraction: float) -> tuple[str, str]:
     if space > 0:
         cut = space
     return text[:cut], text[cut:]
-
-
-@contextmanager
-def _capture_attention(model, store: dict):
-    """Record each attention layer's (query, key, value, scaling, window) during a forward."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl in (None, "eager") or impl not in ALL_ATTENTION_FUNCTIONS:
-        raise RuntimeError(f"attention capture needs a registered attention function, not {impl!r}")
-    original = ALL_ATTENTION_FUNCTIONS[impl]
-    had_local = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
-
-    def wrapper(module, query, key, value, attention_mask, **kwargs):
-        store[module.layer_idx] = (query.detach()[0], key.detach()[0], value.detach()[0],
-                                   kwargs.get("scaling"), kwargs.get("sliding_window"))
-        return original(module, query, key, value, attention_mask, **kwargs)
-
-    ALL_ATTENTION_FUNCTIONS[impl] = wrapper
-    try:
-        yield
-    finally:
-        if had_local:
-            ALL_ATTENTION_FUNCTIONS[impl] = original
-        else:
-            del ALL_ATTENTION_FUNCTIONS[impl]
-
-
-def _attend(q, k, v, scaling, window, q_pos, k_pos):
-    """q ``[Hq, Tq, D]``, k/v ``[Hk, Tk, D]`` → ``[Hq, Tq, D]`` (fp32, causal, optional window)."""
-    hq, hk = q.shape[0], k.shape[0]
-    if hq != hk:
-        k = k.repeat_interleave(hq // hk, dim=0)
-        v = v.repeat_interleave(hq // hk, dim=0)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = (q.float() @ k.float().transpose(1, 2)) * scale
-    diff = q_pos[:, None] - k_pos[None, :]
-    allowed = diff >= 0
-    if window:
-        allowed &= diff < window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, -1) @ v.float()
 
 
 def _kl_top1(native_logits: torch.Tensor, other_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +99,7 @@ def measure_fidelity(mapper, source, target, texts: Sequence[str], *,
         captured: dict = {}
         if attention_ok:
             try:
-                with _capture_attention(target.model, captured):
+                with capture_attention(target.model, captured):
                     out = target.model(input_ids=full[None].to(target.device))
             except RuntimeError:
                 attention_ok = False
@@ -157,10 +115,10 @@ def measure_fidelity(mapper, source, target, texts: Sequence[str], *,
                 q, k, v, scaling, window = captured[layer]
                 q = q[:, n_sink:n_sink + T]
                 k, v = k[:, :n_sink + T].float(), v[:, :n_sink + T].float()
-                o_nat = _attend(q, k, v, scaling, window, pos, k_pos)
+                o_nat = attend(q, k, v, scaling, window, pos, k_pos)
                 k2 = torch.cat([k[:, :n_sink], k_tr[layer]], dim=1)
                 v2 = torch.cat([v[:, :n_sink], translated.values[layer].float()], dim=1)
-                o_tr = _attend(q, k2, v2, scaling, window, pos, k_pos)
+                o_tr = attend(q, k2, v2, scaling, window, pos, k_pos)
                 cos_sum[layer] += F.cosine_similarity(o_nat, o_tr, dim=-1).double().mean()
             cos_n += 1
         # --- continuation: KL and top-1 with the translated cache injected after the prefix

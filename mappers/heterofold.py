@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from cag.models.attention import attention_logits, capture_attention
 from mappers.base import register_mapper
-from mappers.fidelity import _capture_attention, split_continuation
-from mappers.linear import KINDS, flatten_heads, gather_features, unflatten_heads
+from mappers.fidelity import split_continuation
+from mappers.linear import KINDS, gather_features, unflatten_heads
 from mappers.ridge import RidgeMapper
 from mappers.stats import MomentAccumulator
 from mappers.training import TrainConfig, train
@@ -202,7 +202,7 @@ class HeteroFoldMapper(RidgeMapper):
                 base[kind] = torch.bmm(x - self.x_mean[kind][:, None, :], self.weight[kind])
             full = torch.cat([torch.tensor(target.sink_ids, dtype=torch.long), ids_ctx, ids_cont])
             captured: dict = {}
-            with _capture_attention(target.model, captured):
+            with capture_attention(target.model, captured):
                 target.model(input_ids=full[None].to(target.device))
             T = ids_ctx.numel()
             start = n_sink + T
@@ -231,20 +231,6 @@ class _AttentionReplay:
         # fp32 copies made once, detached: the target stays frozen
         self.o_proj = [layer.self_attn.o_proj.weight.detach().float() for layer in target.model.model.layers]
 
-    def _scores(self, q, k, scaling, window, q_pos, k_pos):
-        hq, hk = q.shape[0], k.shape[0]
-        if hq != hk:
-            k = k.repeat_interleave(hq // hk, dim=0)
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        scores = (q @ k.transpose(1, 2)) * scale
-        diff = q_pos[:, None] - k_pos[None, :]
-        allowed = diff >= 0
-        if window:
-            allowed &= diff < window
-        # a large finite fill, not -inf: masked terms then give exact zeros in the KL
-        # and its gradient, instead of 0 · inf = nan
-        return scores.masked_fill(~allowed, -1e30)
-
     def _output(self, layer, probs, v):
         hq, hk = probs.shape[0], v.shape[0]
         if hq != hk:
@@ -259,7 +245,7 @@ class _AttentionReplay:
             q_pos = torch.arange(n_sink + T, n_sink + T + Tc)
             k_pos = torch.arange(n_sink + T + Tc)
             for i, lay in enumerate(item["layers"]):
-                logp = torch.log_softmax(self._scores(lay["q"], lay["k"], lay["scaling"], lay["window"],
+                logp = torch.log_softmax(attention_logits(lay["q"], lay["k"], lay["scaling"], lay["window"],
                                                       q_pos, k_pos), -1)
                 lay["native_logp"] = logp
                 out = self._output(i, logp.exp(), lay["v"])
@@ -276,7 +262,7 @@ class _AttentionReplay:
         for i, lay in enumerate(item["layers"]):
             k = torch.cat([lay["k"][:, :n_sink], keys[i], lay["k"][:, n_sink + T:]], dim=1)
             v = torch.cat([lay["v"][:, :n_sink], translated["values"][i], lay["v"][:, n_sink + T:]], dim=1)
-            logq = torch.log_softmax(self._scores(lay["q"], k, lay["scaling"], lay["window"], q_pos, k_pos), -1)
+            logq = torch.log_softmax(attention_logits(lay["q"], k, lay["scaling"], lay["window"], q_pos, k_pos), -1)
             p = lay["native_logp"].exp()
             kl = (p * (lay["native_logp"] - logq)).sum(-1).mean()
             out = self._output(i, logq.exp(), v)

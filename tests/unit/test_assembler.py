@@ -106,3 +106,54 @@ def test_bad_ratio(parts):
     asm, chunks = parts
     with pytest.raises(ValueError):
         asm.place(chunks, recompute_ratio=1.5)
+
+
+def test_question_guided_recompute_picks_where_the_question_looks(tiny, parts):
+    """The chosen tokens are the top of the question's attention mass (smoothed over ±1),
+    checked against the model's own attention weights from an eager forward."""
+    asm, chunks = parts
+    q = asm.question_ids(QUESTION)
+    ids = asm.place(chunks).context_ids
+    total, n_prefix = ids.numel(), asm.place(chunks).prefix_tokens
+    n = round(0.2 * (total - n_prefix))
+    # independent reference: eager attention probabilities of the joint sequence's question rows
+    # over the assembled (chunk-independent) cache equal those of the placed cache + the question
+    from transformers import DynamicCache
+    cache = DynamicCache()  # every token in every layer; the model masks its sliding layers itself
+    keys, values = _rotated(tiny, asm, chunks)
+    for i in range(keys.shape[0]):
+        cache.update(keys[i][None], values[i][None], i)
+    impl = tiny.model.config._attn_implementation
+    tiny.model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = tiny.model(input_ids=q[None], past_key_values=cache, output_attentions=True)
+    finally:
+        tiny.model.set_attn_implementation(impl)
+    mass = torch.stack([a[0, :, :, :total].float().mean(dim=(0, 1)) for a in out.attentions]).mean(0)
+    mass[:n_prefix] = 0
+    smooth = torch.nn.functional.max_pool1d(mass[None, None], 3, stride=1, padding=1)[0, 0] + 1e-3 * mass
+    smooth[:n_prefix] = -1
+    want = torch.sort(torch.topk(smooth, n).indices).values
+    placed_q = asm.place(chunks, recompute_ratio=0.2, recompute_select="question", question_ids=q)
+    assert placed_q.recomputed_tokens == n
+    got = asm._question_guided(*_rotated(tiny, asm, chunks), ids, n_prefix, n, q)
+    assert torch.equal(got, want)
+    assert (got >= n_prefix).all()
+    # and recomputing them moves the cache: the question's logits change
+    assert not torch.allclose(question_logits(tiny, placed_q.cache, q), question_logits(tiny, asm.place(chunks).cache, q))
+
+
+def _rotated(lm, asm, chunks):
+    parts = [asm.prefix(), *chunks]
+    keys = torch.cat([c.keys for c in parts], dim=2).to(lm.dtype)
+    values = torch.cat([c.values for c in parts], dim=2).to(lm.dtype)
+    return lm.adapter.rotate(keys, torch.arange(keys.shape[2])), values
+
+
+def test_question_guided_recompute_needs_the_question(parts):
+    asm, chunks = parts
+    with pytest.raises(ValueError, match="question"):
+        asm.place(chunks, recompute_ratio=0.2, recompute_select="question")
+    with pytest.raises(ValueError, match="recompute_select"):
+        asm.place(chunks, recompute_ratio=0.2, recompute_select="random")

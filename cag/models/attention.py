@@ -1,0 +1,74 @@
+"""The target's attention, observed and replayed outside its forward.
+
+Three users need the queries a model computes, not only its outputs: mapper
+fidelity (attention-output cosine), HeteroFold's output-aware calibration (the
+target's own queries attending over a translated context) and the assembler's
+question-guided recompute (where the question looks in a placed context).
+`capture_attention` records, per layer, what the model hands its attention
+function (queries and keys already rotated, values, scaling, sliding window);
+`attention_logits` replays the masked scores from them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+# Masked scores get a large finite value rather than -inf: softmax still gives
+# exact zeros there, and a KL or gradient over them stays 0 instead of 0·inf = nan.
+MASKED = -1e30
+
+
+@contextmanager
+def capture_attention(model, store: dict):
+    """Record each attention layer's (query, key, value, scaling, window) during a forward.
+
+    Tensors are batch row 0, detached: ``[heads, tokens, head_dim]``. Works with
+    any registered attention implementation (sdpa by default), not with eager.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl in (None, "eager") or impl not in ALL_ATTENTION_FUNCTIONS:
+        raise RuntimeError(f"attention capture needs a registered attention function, not {impl!r}")
+    original = ALL_ATTENTION_FUNCTIONS[impl]
+    had_local = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+    def wrapper(module, query, key, value, attention_mask, **kwargs):
+        store[module.layer_idx] = (query.detach()[0], key.detach()[0], value.detach()[0],
+                                   kwargs.get("scaling"), kwargs.get("sliding_window"))
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[impl] = wrapper
+    try:
+        yield
+    finally:
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS[impl] = original
+        else:
+            del ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, scaling: float | None, window: int | None,
+                     q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Masked scores ``[Hq, Tq, Tk]`` of q ``[Hq, Tq, D]`` over k ``[Hk, Tk, D]`` (causal, optional window)."""
+    hq, hk = q.shape[0], k.shape[0]
+    if hq != hk:  # grouped-query attention: each KV head serves hq / hk query heads
+        k = k.repeat_interleave(hq // hk, dim=0)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = (q.float() @ k.float().transpose(1, 2)) * scale
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    if window:
+        allowed &= diff < window
+    return scores.masked_fill(~allowed, MASKED)
+
+
+def attend(q, k, v, scaling, window, q_pos, k_pos) -> torch.Tensor:
+    """Attention outputs ``[Hq, Tq, D]`` (fp32)."""
+    probs = torch.softmax(attention_logits(q, k, scaling, window, q_pos, k_pos), -1)
+    hq, hk = probs.shape[0], v.shape[0]
+    if hq != hk:
+        v = v.repeat_interleave(hq // hk, dim=0)
+    return probs @ v.float()
