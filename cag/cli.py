@@ -505,6 +505,10 @@ def eval_cmd(
     limit: Annotated[int | None, typer.Option(help="Questions per dataset.")] = None,
     profile: Annotated[str, typer.Option(help="quick (a few minutes) or full (hours).")] = "quick",
     top_k: Annotated[int, typer.Option("--top-k", min=1)] = 4,
+    needle_length: Annotated[list[int] | None, typer.Option("--needle-length", help="Needle haystack lengths in "
+                                                            "target tokens (repeatable; default: the profile's).")] = None,
+    needle_depth: Annotated[list[float] | None, typer.Option("--needle-depth", help="Needle depths in [0, 1] "
+                                                             "(repeatable; default: the profile's).")] = None,
     recompute: Annotated[float, typer.Option(help="CacheBlend recompute ratio for the cached conditions.",
                                              min=0.0, max=1.0)] = 0.0,
     recompute_select: Annotated[str, typer.Option(help="Which tokens are recomputed: deviation (CacheBlend) "
@@ -532,6 +536,10 @@ def eval_cmd(
                 kw = {}
                 if name == "needle":  # lengths counted in the first target's tokens
                     kw = dict(prof["needle"], tokenizer=registry.load(targets[0], "bfloat16").tokenizer)
+                    if needle_length:
+                        kw["lengths"] = tuple(needle_length)
+                    if needle_depth:
+                        kw["depths"] = tuple(needle_depth)
                 items += ds.get_dataset(name, limit=limit if limit is not None else prof["limit"], **kw)
     except (ValueError, TypeError, OSError, ds.DatasetFormatError) as e:
         raise _fail(str(e)) from None
