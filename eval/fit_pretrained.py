@@ -1,15 +1,20 @@
-"""Fit the shipped baseline mappers: every direction among the three packaged models.
+"""Fit the shipped mappers: every direction among the three packaged models.
 
-    python eval/fit_pretrained.py [--methods ridge latent] [--words 8000] [--pairs smollm2-135m:qwen2.5-0.5b ...]
+    python eval/fit_pretrained.py [--methods ridge latent heterofold mot] [--words 12000]
+                                  [--pairs smollm2-135m:qwen2.5-0.5b ...] [--set KEY=JSON ...]
+    python eval/fit_pretrained.py --remeasure --words 12000     # every card on the same held-out texts
 
 Writes `mappers/pretrained/<source>__<target>__<method>/` (weights + card with fidelity)
 and `eval/results/mappers.md` (a table of what was fitted, how long it took and how
 faithful it is). The same as `cag fit` for each pair, with the models loaded once.
+The held-out texts are chosen per text by a hash, so every --words setting holds
+out the same texts of the calibration essays, and no fit ever trains on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -19,7 +24,10 @@ from pathlib import Path
 
 from cag.models import registry
 from eval.datasets import calibration_texts
-from mappers.fit import fit_mapper, parse_settings
+from cag.kv import text_sha256
+from mappers.base import load_mapper
+from mappers.fidelity import measure_fidelity
+from mappers.fit import fit_mapper, parse_settings, split_texts
 
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +40,10 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="*", help="source:target pairs (default: all six directions)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="a method setting for every fit (repeatable)")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="measure every shipped artifact of the pairs again on the same held-out texts "
+                             "(those of this --words setting), so that their cards, and mapper='auto', "
+                             "compare like with like")
     parser.add_argument("--table-only", action="store_true", help="only rebuild the table from the shipped cards")
     args = parser.parse_args()
     if args.table_only:
@@ -47,6 +59,10 @@ def main() -> None:
         words += len(text.split())
     settings = parse_settings(args.set)
     loaded = {name: registry.load(name, "bfloat16") for name in {m for p in pairs for m in p}}
+    if args.remeasure:
+        remeasure(pairs, loaded, texts)
+        write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} --remeasure")
+        return
     results_path = ROOT / "eval/results/mappers.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for (source, target), method in itertools.product(pairs, args.methods):
@@ -63,6 +79,27 @@ def main() -> None:
         results_path.write_text(json.dumps(results, indent=2))
     write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} "
                 f"--methods {' '.join(args.methods)}" + "".join(f" --set {s}" for s in args.set))
+
+
+def remeasure(pairs, loaded, texts, n_texts: int = 8) -> None:
+    """Fidelity of every shipped artifact of `pairs` on the same held-out texts, written to its card."""
+    _, held = split_texts(texts, 0.1, 0)
+    held = held[:n_texts]
+    digest = hashlib.sha256("".join(sorted(text_sha256(t) for t in held)).encode()).hexdigest()
+    for source, target in pairs:
+        for folder in sorted((ROOT / "mappers/pretrained").glob(f"{source}__{target}__*")):
+            mapper = load_mapper(folder)
+            started = time.perf_counter()
+            fidelity = measure_fidelity(mapper, loaded[source], loaded[target], held)
+            card = json.loads((folder / "card.json").read_text())
+            card.setdefault("fidelity", {})["heldout"] = fidelity
+            card["fidelity"]["heldout_texts"] = {"count": len(held), "texts_sha256": digest,
+                                                 "remeasured": time.strftime("%Y-%m-%d %H:%M")}
+            tmp = folder / ".card.json.tmp"
+            tmp.write_text(json.dumps(card, indent=2, sort_keys=True, default=float))
+            os.replace(tmp, folder / "card.json")
+            print(json.dumps({"artifact": folder.name, "seconds": round(time.perf_counter() - started, 1),
+                              **{k: v for k, v in fidelity.items() if isinstance(v, (int, float))}}), flush=True)
 
 
 def rows_from_cards() -> dict:
