@@ -109,7 +109,7 @@ class MoTMapper(HeteroFoldMapper):
                 "mot_accumulate": 2, "mot_eval_every": 10, "mot_patience": 3, "mot_max_seconds": None,
                 "mot_checkpoint_every": 0, "mot_seed": 0, "loss_lm": 1.0, "loss_kl": 1.0,
                 "loss_trajectory": 1.0, "kl_top_k": 256, "continuation_fraction": 0.25,
-                "max_artifact_mb": 20}
+                "max_artifact_mb": 20, "base_artifact": None}
 
     def __init__(self, source, target, settings=None) -> None:
         super().__init__(source, target, settings)
@@ -211,10 +211,11 @@ class MoTMapper(HeteroFoldMapper):
             for p in params:
                 p.requires_grad_(False)
             report: dict[str, Any] = {}
-            base_calibrate = getattr(super(), "calibrate", None)
-            if base_calibrate is not None:
-                report["heterofold"] = base_calibrate(source, target, train_texts, heldout_texts,
-                                                      state_dir=state_dir, progress=progress, on_step=on_step)
+            if self.settings.get("base_artifact"):
+                report["heterofold"] = self._load_base(self.settings["base_artifact"])
+            else:
+                report["heterofold"] = super().calibrate(source, target, train_texts, heldout_texts,
+                                                         state_dir=state_dir, progress=progress, on_step=on_step)
             report["mot"] = self._train_translators(source, target, train_texts, heldout_texts,
                                                     state_dir=state_dir, progress=progress, on_step=on_step)
         finally:
@@ -222,6 +223,26 @@ class MoTMapper(HeteroFoldMapper):
                 p.requires_grad_(flag)
         report["experts"], report["expert_rank"] = int(self.settings["experts"]), int(self.settings["expert_rank"])
         return report
+
+    def _load_base(self, path) -> dict[str, Any]:
+        """Take the base map from a fitted HeteroFold artifact instead of calibrating it again.
+
+        The same fit (pair, alignment settings, calibration texts) gives the same
+        map, so a HeteroFold artifact already fitted for the pair saves its whole
+        calibration; the pair and the alignment settings are checked.
+        """
+        from mappers.base import load_mapper
+
+        base = load_mapper(path, source=self.source, target=self.target, method="heterofold")
+        for key in ("layer_radius", "token_window"):
+            if base.settings.get(key) != self.settings.get(key):
+                raise MapperError(f"mot: base artifact {path} has {key}={base.settings.get(key)!r}, "
+                                  f"this fit {self.settings.get(key)!r}")
+        self.weight = {k: v.float().clone() for k, v in base.weight.items()}
+        self.x_mean = {k: v.float().clone() for k, v in base.x_mean.items()}
+        self.y_mean = {k: v.float().clone() for k, v in base.y_mean.items()}
+        return {"loaded": str(path), "artifact_id": base.artifact_id,
+                "fitted_on": base.fitted_on.get("texts_sha256"), "calibration": base.fidelity.get("calibration")}
 
     def _train_translators(self, source, target, train_texts, heldout_texts, *, state_dir, progress,
                            on_step) -> dict[str, Any]:

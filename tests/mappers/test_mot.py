@@ -204,3 +204,25 @@ def test_interrupted_fit_resumes_to_the_same_tensors(reference, llama, gemma2tok
     assert set(want) == set(got)
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+def test_base_artifact_replaces_the_heterofold_stage(llama, qwen, gemma2tok, texts, tmp_path):
+    """A fitted HeteroFold artifact serves as MoT's base; another pair or alignment is refused."""
+    hf_settings = {k: v for k, v in SMALL.items() if k.startswith("calib_")}
+    hf = fit_mapper(llama, gemma2tok, "heterofold", texts[:N_TEXTS], tmp_path / "hf", settings=hf_settings,
+                    heldout_fraction=0.25, progress=False, fidelity_texts=0)
+    mot = fit_mapper(llama, gemma2tok, "mot", texts[:N_TEXTS], tmp_path / "mot",
+                     settings={**SMALL, "base_artifact": str(tmp_path / "hf")}, heldout_fraction=0.25,
+                     progress=False, fidelity_texts=0)
+    assert mot.fidelity["calibration"]["heterofold"]["artifact_id"] == hf.artifact_id
+    for kind in ("keys", "values"):
+        assert torch.equal(mot.weight[kind], hf.weight[kind])
+        assert torch.equal(mot.y_mean[kind], hf.y_mean[kind])
+    with pytest.raises(MapperError, match="layer_radius"):
+        fit_mapper(llama, gemma2tok, "mot", texts[:N_TEXTS], tmp_path / "mot2",
+                   settings={**SMALL, "base_artifact": str(tmp_path / "hf"), "layer_radius": 0},
+                   heldout_fraction=0.25, progress=False, fidelity_texts=0)
+    with pytest.raises(MapperError):
+        fit_mapper(qwen, gemma2tok, "mot", texts[:N_TEXTS], tmp_path / "mot3",
+                   settings={**SMALL, "base_artifact": str(tmp_path / "hf")}, heldout_fraction=0.25,
+                   progress=False, fidelity_texts=0)
