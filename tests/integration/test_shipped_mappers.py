@@ -1,0 +1,64 @@
+"""The shipped mappers on the real packaged models: present, within budget, for these
+exact models, and HeteroFold better than KV Ridge where it matters (next-token fidelity).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from cag.mapping import card_fidelity, resolve_mapper
+from cag.models import registry as reg
+from eval.datasets import essay_text, evaluation_essays
+from mappers.base import load_mapper
+from mappers.fidelity import measure_fidelity
+
+pytestmark = pytest.mark.integration
+
+PRETRAINED = Path(__file__).resolve().parents[2] / "mappers" / "pretrained"
+MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+DIRECTIONS = list(itertools.permutations(MODELS, 2))
+METHODS = ["ridge", "latent", "heterofold", "mot"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: reg.load(name, "bfloat16") for name in MODELS}
+
+
+@pytest.mark.parametrize("source,target", DIRECTIONS)
+def test_every_direction_ships_every_method_for_these_models(source, target, models):
+    for method in METHODS:
+        folder = PRETRAINED / f"{source}__{target}__{method}"
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        assert size <= 20e6, f"{folder.name} is {size / 1e6:.1f} MB"
+        mapper = load_mapper(folder, source=models[source].fingerprint, target=models[target].fingerprint)
+        assert mapper.method == method
+        fid = card_fidelity(mapper.card())
+        assert fid["kl"] < fid["kl_no_context"], f"{folder.name}: no better than no context on its card"
+
+
+@pytest.mark.parametrize("source,target", DIRECTIONS)
+def test_heterofold_beats_ridge_on_the_same_heldout_texts(source, target):
+    cards = {m: json.loads((PRETRAINED / f"{source}__{target}__{m}" / "card.json").read_text())
+             for m in ("ridge", "heterofold")}
+    texts = {m: c["fidelity"].get("heldout_texts", {}).get("texts_sha256") for m, c in cards.items()}
+    assert texts["ridge"] and texts["ridge"] == texts["heterofold"], "cards measured on different texts"
+    assert card_fidelity(cards["heterofold"])["kl"] < card_fidelity(cards["ridge"])["kl"]
+
+
+def test_auto_picks_the_lowest_kl_and_heterofold_is_live_better_on_an_evaluation_essay(models):
+    source, target = models["smollm2-135m"], models["qwen2.5-0.5b"]
+    auto = resolve_mapper("auto", source.fingerprint, target)
+    kls = {m: card_fidelity(json.loads((PRETRAINED / f"smollm2-135m__qwen2.5-0.5b__{m}" / "card.json")
+                                       .read_text()))["kl"] for m in METHODS}
+    assert auto.method == min(kls, key=kls.get)
+    # a passage of an essay that no mapper was fitted on
+    words = essay_text(evaluation_essays()[0]).split()
+    text = " ".join(words[200:380])
+    live = {m: measure_fidelity(resolve_mapper(m, source.fingerprint, target), source, target, [text],
+                                attention=False)["kl"] for m in ("ridge", "heterofold")}
+    assert live["heterofold"] < live["ridge"]
