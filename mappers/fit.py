@@ -115,7 +115,7 @@ class FitState:
 # The settings that change the streamed statistics; the others (ridge grid,
 # training settings) only change what is fitted from them, so a fit that changes
 # those still resumes its statistics.
-STATISTICS_SETTINGS = ("layer_radius", "token_window")
+STATISTICS_SETTINGS = ("layer_radius", "token_window", "target_token_window")
 
 
 def _config_id(mapper: Mapper, heldout_fraction: float, seed: int) -> str:
@@ -158,7 +158,7 @@ def accumulate_statistics(source, target, mapper: LinearKVMapper, texts: Sequenc
             for text, chunk, native in zip(batch, chunks, natives):
                 split = "heldout" if text in held_set else "train"
                 accs = state.heldout if split == "heldout" else state.train
-                for kind, (x, y) in mapper.training_rows(chunk, native).items():
+                for kind, (x, y) in mapper.training_rows(chunk, native, target).items():
                     accs[kind].update(x, y)
                 state.tokens[split] += int(native.num_tokens)
                 state.done.add(text_sha256(text))

@@ -38,7 +38,7 @@ import torch
 from cag.models.attention import attention_logits, capture_attention
 from mappers.base import register_mapper
 from mappers.fidelity import split_continuation
-from mappers.linear import KINDS, gather_features, unflatten_heads
+from mappers.linear import KINDS, unflatten_heads
 from mappers.ridge import RidgeMapper
 from mappers.stats import MomentAccumulator
 from mappers.training import TrainConfig, train
@@ -197,8 +197,8 @@ class HeteroFoldMapper(RidgeMapper):
             alignment = self.align(chunk.offsets, off_ctx)
             base = {}
             for kind in KINDS:
-                x = gather_features(getattr(chunk, kind).float(), self.layer_index, alignment,
-                                    fill=self.x_mean[kind])
+                x = self.features(kind, chunk, alignment, target, ids_ctx, dtype=torch.float32,
+                                  fill=self.x_mean[kind])
                 base[kind] = torch.bmm(x - self.x_mean[kind][:, None, :], self.weight[kind])
             full = torch.cat([torch.tensor(target.sink_ids, dtype=torch.long), ids_ctx, ids_cont])
             captured: dict = {}

@@ -75,6 +75,31 @@ def gather_features(source_kv: torch.Tensor, layer_index: torch.Tensor, alignmen
     return x.reshape(lt, tt, wl * wt * hd)
 
 
+@torch.no_grad()
+def direct_path(target, ids: torch.Tensor, kind: str) -> torch.Tensor:
+    """``[Lt, T, D]``: each target token's embedding through every layer's input norm and
+    k (or v) projection, as if nothing else were in the residual stream (fp32).
+
+    The target's own view of *which token* sits at each position, in that layer's
+    K/V space (keys before RoPE, i.e. de-rotated); a source model with another
+    tokenizer cannot supply it, and copying or matching a rare name needs it.
+    """
+    model = target.model.model
+    h = model.embed_tokens(ids[None].to(target.device))
+    out = []
+    for layer in model.layers:
+        x = layer.input_layernorm(h)
+        attn = layer.self_attn
+        if kind == "keys":
+            y = attn.k_proj(x)
+            if getattr(attn, "k_norm", None) is not None:  # Gemma 3 normalises each key head
+                y = attn.k_norm(y.view(*y.shape[:2], -1, attn.head_dim)).flatten(2)
+        else:
+            y = attn.v_proj(x)
+        out.append(y[0].float())
+    return torch.stack(out).cpu()
+
+
 class LinearKVMapper(Mapper):
     """Base of affine per-layer mappers; subclasses implement `fit_from_stats`."""
 
@@ -93,9 +118,38 @@ class LinearKVMapper(Mapper):
     # ----------------------------------------------------------- geometry
 
     @property
-    def num_features(self) -> int:
+    def num_source_features(self) -> int:
         s = self.source
         return self.layer_index.shape[1] * int(self.settings["token_window"]) * s.num_kv_heads * s.head_dim
+
+    @property
+    def target_token_window(self) -> int:
+        return int(self.settings.get("target_token_window", 0))
+
+    @property
+    def num_features(self) -> int:
+        return self.num_source_features + self.target_token_window * self.num_outputs
+
+    def features(self, kind: str, chunk: KVChunk, alignment: TokenAlignment, target, target_ids: torch.Tensor,
+                 *, dtype: torch.dtype, fill: torch.Tensor | None = None) -> torch.Tensor:
+        """``[Lt, Tt, F]``: the source features, then (``target_token_window`` = w > 0) the
+        target's direct path of tokens t, t−1, …, t−w+1 (`direct_path`). Slots before the
+        chunk's first token take `fill` (the feature mean) or zeros."""
+        ns = self.num_source_features
+        x = gather_features(getattr(chunk, kind).to(dtype), self.layer_index, alignment,
+                            fill=None if fill is None else fill[:, :ns])
+        w = self.target_token_window
+        if not w:
+            return x
+        direct = direct_path(target, target_ids, kind).to(dtype)                 # [L, T, D]
+        parts = [x]
+        d = self.num_outputs
+        for back in range(w):
+            shifted = torch.roll(direct, back, dims=1)
+            if back:
+                shifted[:, :back] = 0 if fill is None else fill[:, None, ns + back * d: ns + (back + 1) * d].to(dtype)
+            parts.append(shifted)
+        return torch.cat(parts, dim=-1)
 
     @property
     def num_outputs(self) -> int:
@@ -107,13 +161,14 @@ class LinearKVMapper(Mapper):
     def align(self, source_offsets, target_offsets) -> TokenAlignment:
         return align_tokens(source_offsets, target_offsets, window=int(self.settings["token_window"]))
 
-    def training_rows(self, chunk: KVChunk, native: KVChunk) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def training_rows(self, chunk: KVChunk, native: KVChunk, target=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Aligned (features, targets) of one text for both kinds; rows with a full window only."""
         alignment = self.align(chunk.offsets, native.offsets)
-        keep = alignment.fully_valid
+        keep = alignment.fully_valid.clone()
+        keep[: max(self.target_token_window - 1, 0)] = False  # no token before the chunk's first
         rows = {}
         for kind in KINDS:
-            x = gather_features(getattr(chunk, kind).float(), self.layer_index, alignment)[:, keep]
+            x = self.features(kind, chunk, alignment, target, native.token_ids, dtype=torch.float32)[:, keep]
             y = flatten_heads(getattr(native, kind).float())[:, keep]
             rows[kind] = (x, y)
         return rows
@@ -142,8 +197,7 @@ class LinearKVMapper(Mapper):
             alignment = self.align(chunk.offsets, offsets)
             kv = {}
             for kind in KINDS:
-                x = gather_features(getattr(chunk, kind).to(dtype), self.layer_index, alignment,
-                                    fill=self.x_mean[kind])
+                x = self.features(kind, chunk, alignment, target, ids, dtype=dtype, fill=self.x_mean[kind])
                 y = self.project(kind, x - self.x_mean[kind].to(dtype)[:, None, :])
                 y = y + self.y_mean[kind].to(dtype)[:, None, :]
                 if not bool(alignment.has_source.all()):

@@ -41,7 +41,7 @@ from cag.models.loaded import EmptyChunkError
 from mappers.base import MapperError, register_mapper
 from mappers.fidelity import split_continuation
 from mappers.heterofold import HeteroFoldMapper
-from mappers.linear import KINDS, gather_features, unflatten_heads
+from mappers.linear import KINDS, unflatten_heads
 from mappers.stats import MomentAccumulator
 from mappers.training import TrainConfig, train
 
@@ -324,8 +324,7 @@ class MoTMapper(HeteroFoldMapper):
             for kind in KINDS:
                 # features and base map exactly as `_translate_batch` computes them,
                 # so the translators learn to correct what inference will produce
-                x = gather_features(getattr(chunk, kind).to("cpu", dtype), self.layer_index, alignment,
-                                    fill=self.x_mean[kind])
+                x = self.features(kind, chunk, alignment, target, ids_ctx, dtype=dtype, fill=self.x_mean[kind])
                 xc[kind] = x - self.x_mean[kind].to(dtype)[:, None, :]
                 b = super().project(kind, xc[kind]).float() + self.y_mean[kind][:, None, :]
                 b[:, ~has] = self.y_mean[kind][:, None, :]

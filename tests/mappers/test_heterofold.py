@@ -209,3 +209,30 @@ def test_train_refuses_non_leaf_and_non_finite():
         train({"w": w * 2}, lambda s, m: w.sum(), config=TrainConfig(steps=1), progress=False)
     with pytest.raises(FloatingPointError):
         train({"w": w}, lambda s, m: (w * float("nan")).sum(), config=TrainConfig(steps=1), progress=False)
+
+
+# --------------------------------------------------- target-token features (direct path)
+
+
+@pytest.mark.parametrize("fixture", ["llama", "qwen", "gemma2tok"])
+def test_direct_path_is_exact_at_layer_zero(fixture, request, texts):
+    """Layer 0's K/V of a token depend on that token alone: the direct path reproduces them."""
+    from mappers.linear import direct_path
+
+    lm = request.getfixturevalue(fixture)
+    chunk = lm.prefill(texts[3])
+    for kind in KINDS:
+        direct = direct_path(lm, chunk.token_ids, kind)
+        own = getattr(chunk, kind)[0].permute(1, 0, 2).reshape(chunk.num_tokens, -1).float()
+        torch.testing.assert_close(direct[0], own, atol=1e-4, rtol=1e-4)
+
+
+def test_target_token_window_adds_features_and_fits(llama, gemma2tok, texts, tmp_path):
+    mapper = fit_mapper(llama, gemma2tok, "ridge", texts, tmp_path, settings={"target_token_window": 2},
+                        heldout_fraction=0.25, progress=False, fidelity_texts=1)
+    plain = RidgeMapper(llama.fingerprint, gemma2tok.fingerprint)
+    assert mapper.num_features == plain.num_features + 2 * mapper.num_outputs
+    reloaded = load_mapper(tmp_path)
+    chunk = llama.prefill(texts[0])
+    tr = reloaded.translate(chunk, texts[0], gemma2tok)
+    assert torch.isfinite(tr.keys).all() and tr.keys.shape[2] == gemma2tok.tokenize(texts[0])[0].numel()
