@@ -63,8 +63,6 @@ def main() -> None:
         remeasure(pairs, loaded, texts)
         write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} --remeasure")
         return
-    results_path = ROOT / "eval/results/mappers.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for (source, target), method in itertools.product(pairs, args.methods):
         out = ROOT / "mappers/pretrained" / f"{source}__{target}__{method}"
         started = time.perf_counter()
@@ -74,9 +72,7 @@ def main() -> None:
         row = {"source": source, "target": target, "method": method, "bytes": size,
                "wall_s": round(time.perf_counter() - started, 1), "fit_seconds": mapper.fit_seconds,
                **{k: v for k, v in mapper.fidelity.get("heldout", {}).items() if isinstance(v, (int, float))}}
-        results[f"{source}__{target}__{method}"] = row
         print(json.dumps(row), flush=True)
-        results_path.write_text(json.dumps(results, indent=2))
     write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} "
                 f"--methods {' '.join(args.methods)}" + "".join(f" --set {s}" for s in args.set))
 
@@ -120,7 +116,8 @@ def write_table(results: dict, command: str) -> None:
     lines = ["# Shipped mappers", "", f"Command: `{command}`  ",
              f"Date: {time.strftime('%Y-%m-%d %H:%M')}; machine: {platform.platform()}, {os.cpu_count()} CPUs "
              "(shared with other work while fitting: times are upper bounds).", "",
-             "Fidelity on held-out calibration texts (about 200-token chunks, the last quarter as continuation): "
+             "Fidelity on held-out calibration texts (about 200-token chunks, the last quarter as continuation; "
+             "after `--remeasure`, the same texts for every artifact, which no fit trained on): "
              "R² of keys and values, attention-output cosine, next-token KL(native ‖ translated) and top-1 "
              "agreement against the target's own prefill, and the same KL with no context at all.", "",
              "| source → target | method | MB | train tokens | fit s | K R² | V R² | attn cos | KL | KL no context | top-1 | top-1 no context |",
