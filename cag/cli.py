@@ -422,16 +422,12 @@ def fit_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Fit a mapper on the bundled calibration essays (kept apart from every evaluation text); resumable."""
-    from eval.datasets import calibration_texts
+    from eval.datasets import calibration_sample
     from mappers.base import MapperError
     from mappers.fit import fit_mapper, parse_settings
 
-    texts, words = [], 0
-    for text in calibration_texts():
-        if words >= tokens:
-            break
-        texts.append(text)
-        words += len(text.split())
+    texts = calibration_sample(tokens)
+    words = sum(len(t.split()) for t in texts)
     out_dir = out_dir or registry.cag_home() / "mappers" / f"{source}__{target}__{method}"
     try:
         settings = {"layer_radius": layer_radius, **parse_settings(set_ or [])}

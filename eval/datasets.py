@@ -577,6 +577,17 @@ def calibration_texts(words_per_text: int = 170) -> list[str]:
     return texts
 
 
+def calibration_sample(words: int) -> list[str]:
+    """The first calibration texts adding up to about `words` words (a fit's corpus)."""
+    texts, count = [], 0
+    for text in calibration_texts():
+        if count >= words:
+            break
+        texts.append(text)
+        count += len(text.split())
+    return texts
+
+
 _ESSAY_CACHE: dict[str, str] = {}
 
 

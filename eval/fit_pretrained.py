@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from cag.models import registry
-from eval.datasets import calibration_texts
+from eval.datasets import calibration_sample
 from cag.kv import text_sha256
 from mappers.base import load_mapper
 from mappers.fidelity import measure_fidelity
@@ -51,12 +51,8 @@ def main() -> None:
                     f"--methods {' '.join(args.methods)}")
         return
     pairs = [tuple(p.split(":")) for p in args.pairs] if args.pairs else list(itertools.permutations(MODELS, 2))
-    texts, words = [], 0
-    for text in calibration_texts():
-        if words >= args.words:
-            break
-        texts.append(text)
-        words += len(text.split())
+    texts = calibration_sample(args.words)
+    words = sum(len(t.split()) for t in texts)
     settings = parse_settings(args.set)
     loaded = {name: registry.load(name, "bfloat16") for name in {m for p in pairs for m in p}}
     if args.remeasure:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from cag.kv import KVChunk
 from cag.mapping import resolve_mapper
 from cag.models import registry
-from eval.datasets import calibration_texts
+from eval.datasets import calibration_sample
 from mappers.fidelity import split_continuation
 from mappers.fit import split_texts
 
@@ -147,12 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--words", type=int, default=12000, help="the calibration set whose held-out texts are used")
     parser.add_argument("--out", type=Path, default=Path("eval/results/layer_study"))
     args = parser.parse_args(argv)
-    texts, words = [], 0
-    for t in calibration_texts():
-        if words >= args.words:
-            break
-        texts.append(t)
-        words += len(t.split())
+    texts = calibration_sample(args.words)
     _, held = split_texts(texts, 0.1, 0)
     source, target = registry.load(args.source, "bfloat16"), registry.load(args.target, "bfloat16")
     mapper = resolve_mapper(args.method, source.fingerprint, target)
