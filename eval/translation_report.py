@@ -60,7 +60,8 @@ def check_bar(tables: dict[str, dict], ttft: dict | None) -> dict[str, dict]:
     for direction, datasets in tables.items():
         v: dict = {}
         kb = datasets.get("synthetic-kb", {})
-        translated = {c: r for c, r in kb.items() if c.startswith("cache:")}
+        # the bar compares translation alone: recompute rows (which pay for prefill) are shown, not judged
+        translated = {c: r for c, r in kb.items() if c.startswith("cache:") and " @ " not in c}
         if translated:
             # ties (often all zero) go to the higher found rate, then the lower KL
             best_c, best = max(translated.items(), key=lambda kv: (kv[1]["f1"], kv[1]["found"],
@@ -81,8 +82,11 @@ def check_bar(tables: dict[str, dict], ttft: dict | None) -> dict[str, dict]:
         if needle and "direct" in needle:
             found_dc = needle["direct"]["found"]
             v["needle_direct_found"] = found_dc
-            v["needle_within_5_points"] = {c: bool(abs(r["found"] - found_dc) <= 0.05)
-                                           for c, r in needle.items() if c.startswith("cache:")}
+            if found_dc == 0:
+                v["needle_within_5_points"] = "direct context finds no needle: nothing to compare"
+            else:
+                v["needle_within_5_points"] = {c: bool(abs(r["found"] - found_dc) <= 0.05)
+                                               for c, r in needle.items() if c.startswith("cache:")}
         verdicts[direction] = v
     if ttft:
         verdicts["ttft_vs_ridge"] = ttft_ratios(ttft)
