@@ -70,6 +70,19 @@ def gaussian_transport(pred_cov: torch.Tensor, target_cov: torch.Tensor, eps: fl
     return 0.5 * (a + a.transpose(-1, -2))
 
 
+def quote_continuation(context: str, fallback: str, words: int = 16) -> str:
+    """A continuation that repeats a span of the context (chosen by a hash of it).
+
+    Plain continuations mostly attend nearby; a quote makes the target's queries
+    look a span up in the context, the attention a question needs to find a fact.
+    """
+    tokens = context.split()
+    if len(tokens) < 2 * words:
+        return fallback
+    start = int(hashlib.sha256(context.encode()).hexdigest(), 16) % (len(tokens) - words)
+    return " As it says: " + " ".join(tokens[start:start + words])
+
+
 @register_mapper
 class HeteroFoldMapper(RidgeMapper):
     method = "heterofold"
@@ -79,7 +92,8 @@ class HeteroFoldMapper(RidgeMapper):
         return {**super().extra_defaults(), "recolor": True, "calib_rank": 16, "calib_steps": 200,
                 "calib_lr": 2e-3, "calib_accumulate": 4, "calib_eval_every": 20, "calib_patience": 4,
                 "calib_max_seconds": None, "calib_checkpoint_every": 0, "calib_texts": 96,
-                "calib_heldout_texts": 8, "continuation_fraction": 0.25, "value_loss_weight": 1.0}
+                "calib_heldout_texts": 8, "continuation_fraction": 0.25, "value_loss_weight": 1.0,
+                "continuation": "text"}
 
     # ---------------------------------------------------------------- stage 2
 
@@ -189,6 +203,8 @@ class HeteroFoldMapper(RidgeMapper):
         n_sink = len(target.sink_ids)
         for text in texts:
             ctx, cont = split_continuation(text, frac)
+            if self.settings.get("continuation", "text") == "quote":
+                cont = quote_continuation(ctx, cont)
             ids_ctx, off_ctx = target.tokenize(ctx)
             ids_cont, _ = target.tokenize(cont) if cont.strip() else (torch.zeros(0, dtype=torch.long), None)
             if ids_ctx.numel() == 0 or ids_cont.numel() == 0:

@@ -236,3 +236,14 @@ def test_target_token_window_adds_features_and_fits(llama, gemma2tok, texts, tmp
     chunk = llama.prefill(texts[0])
     tr = reloaded.translate(chunk, texts[0], gemma2tok)
     assert torch.isfinite(tr.keys).all() and tr.keys.shape[2] == gemma2tok.tokenize(texts[0])[0].numel()
+
+
+def test_quote_continuation_repeats_a_span_of_the_context():
+    from mappers.heterofold import quote_continuation
+
+    context = " ".join(f"w{i}" for i in range(60))
+    quote = quote_continuation(context, "fallback")
+    span = quote.removeprefix(" As it says: ")
+    assert span in context and len(span.split()) == 16
+    assert quote_continuation(context, "fallback") == quote            # deterministic
+    assert quote_continuation("too short", "fallback") == "fallback"
