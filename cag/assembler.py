@@ -15,8 +15,9 @@ The assembled sequence is ``[head | chunk 1 | chunk 2 | ... ]`` at positions
   recomputed by the target, attending to everything before them; r = 1 is the
   target's own prefill of the whole context (direct context), r = 0 costs nothing.
   With ``recompute_select="question"`` the tokens are those the question attends
-  to most over the placed cache (a cheap pass of the question alone), which is
-  what a translated cache needs: its keys find the facts, its values lose them.
+  to most over the placed cache (a cheap pass of the question alone). On the
+  target's own chunk caches this beat CacheBlend's choice; on translated caches
+  it cannot, since it looks through the translated keys (see README).
 """
 
 from __future__ import annotations
@@ -47,10 +48,6 @@ class Placed:
     recomputed_tokens: int
     assemble_s: float
     recompute_s: float
-
-
-class _StopForward(Exception):
-    """Raised by a hook to end a forward once the check layer has run."""
 
 
 class Assembler:
@@ -142,22 +139,9 @@ class Assembler:
 
     # ------------------------------------------------------ selective recompute
 
-    @torch.inference_mode()
     def _fresh_kv(self, context_ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's own K/V of the whole context at `layer`, running only layers 0..layer."""
-        model = self.target.model
-        cache = DynamicCache()
-
-        def stop(module, args, output):
-            raise _StopForward
-
-        handle = model.model.layers[layer].register_forward_hook(stop)
-        try:
-            model.model(input_ids=context_ids[None].to(self.target.device), past_key_values=cache, use_cache=True)
-        except _StopForward:
-            pass
-        finally:
-            handle.remove()
+        cache = self.target.first_layers_cache(context_ids, layer + 1)
         return cache.layers[layer].keys[0], cache.layers[layer].values[0]
 
     @torch.inference_mode()
@@ -179,9 +163,8 @@ class Assembler:
         attention mass on each context token, averaged over layers, heads and
         question tokens, is smoothed over a window of 3 (a fact is a span of
         tokens: a name's first piece draws the attention, the rest must be
-        right too). Keys decide where attention goes, and translated keys keep
-        that well enough; translated values lose token identity (see README), so
-        recomputing where the question looks repairs the values that matter.
+        right too). The choice is only as good as the placed keys: where they
+        are translated and mislead the question, so does this (see README).
         """
         from cag.models.attention import attention_logits, capture_attention
 
@@ -211,25 +194,26 @@ class Assembler:
     @torch.inference_mode()
     def _recompute(self, keys: torch.Tensor, values: torch.Tensor, context_ids: torch.Tensor,
                    chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recompute the `chosen` context positions; returns full rotated K and V, position order."""
-        total = context_ids.numel()
-        with self.model_lock:
-            keep = torch.ones(total, dtype=torch.bool)
-            keep[chosen] = False
-            kept = torch.nonzero(keep).squeeze(1)
+        """Recompute the `chosen` context positions; returns full rotated K and V, position order.
 
-            cache = DynamicCache()  # keeps every token, whatever the layer kind
-            for i in range(self.target.adapter.num_layers):
-                cache.update(keys[i][:, kept][None], values[i][:, kept][None], i)
-            self.target.model.model(
-                input_ids=context_ids[chosen][None].to(self.target.device),
-                position_ids=chosen[None].to(self.target.device),
-                attention_mask=self._recompute_masks(kept, chosen),
-                past_key_values=cache, use_cache=True,
-            )
-            order = torch.argsort(torch.cat([kept, chosen]))
-            new_keys = torch.stack([layer.keys[0][:, order] for layer in cache.layers])
-            new_values = torch.stack([layer.values[0][:, order] for layer in cache.layers])
+        Called by `place` with the model lock held (the forward below shares the model)."""
+        total = context_ids.numel()
+        keep = torch.ones(total, dtype=torch.bool)
+        keep[chosen] = False
+        kept = torch.nonzero(keep).squeeze(1)
+
+        cache = DynamicCache()  # keeps every token, whatever the layer kind
+        for i in range(self.target.adapter.num_layers):
+            cache.update(keys[i][:, kept][None], values[i][:, kept][None], i)
+        self.target.model.model(
+            input_ids=context_ids[chosen][None].to(self.target.device),
+            position_ids=chosen[None].to(self.target.device),
+            attention_mask=self._recompute_masks(kept, chosen),
+            past_key_values=cache, use_cache=True,
+        )
+        order = torch.argsort(torch.cat([kept, chosen]))
+        new_keys = torch.stack([layer.keys[0][:, order] for layer in cache.layers])
+        new_values = torch.stack([layer.values[0][:, order] for layer in cache.layers])
         return new_keys, new_values
 
     def _recompute_masks(self, kept: torch.Tensor, chosen: torch.Tensor):

@@ -17,6 +17,7 @@ tell which half carries the loss. Writes OUT.json and OUT.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 import warnings
@@ -65,8 +66,9 @@ def diagnose(store: Path, target: str, methods: list[str], items, max_new_tokens
                 label = name if name == "K native + V native" else f"{method}: {name}"
                 chunks = [mix(n, t, k_from, v_from) for n, t in zip(natives, translated)]
                 placed = asm.place(chunks)
+                # a forward extends a cache in place: teacher-force on a copy, generate from the original
                 logits = last_logits(lm.model, torch.cat([q, gold[:-1]])[None],
-                                     asm.place(chunks).cache, positions=gold.numel())
+                                     copy.deepcopy(placed.cache), positions=gold.numel())
                 logp = torch.log_softmax(logits.float(), -1)
                 gen = generate(lm.model, lm.tokenizer, placed.cache, q, max_new_tokens=max_new_tokens,
                                stop_ids=stops)

@@ -22,10 +22,10 @@ import platform
 import time
 from pathlib import Path
 
+from cag.kv import text_sha256
 from cag.models import registry
 from eval.datasets import calibration_sample
-from cag.kv import text_sha256
-from mappers.base import load_mapper
+from mappers.base import load_mapper, write_card
 from mappers.fidelity import measure_fidelity
 from mappers.fit import fit_mapper, parse_settings, split_texts
 
@@ -87,9 +87,7 @@ def remeasure(pairs, loaded, texts, n_texts: int = 8) -> None:
             card.setdefault("fidelity", {})["heldout"] = fidelity
             card["fidelity"]["heldout_texts"] = {"count": len(held), "texts_sha256": digest,
                                                  "remeasured": time.strftime("%Y-%m-%d %H:%M")}
-            tmp = folder / ".card.json.tmp"
-            tmp.write_text(json.dumps(card, indent=2, sort_keys=True, default=float))
-            os.replace(tmp, folder / "card.json")
+            write_card(folder, card)
             print(json.dumps({"artifact": folder.name, "seconds": round(time.perf_counter() - started, 1),
                               **{k: v for k, v in fidelity.items() if isinstance(v, (int, float))}}), flush=True)
 

@@ -39,30 +39,13 @@ from mappers.fidelity import split_continuation
 from mappers.fit import split_texts
 
 
-class _Stop(Exception):
-    pass
-
-
 @torch.inference_mode()
 def first_layers_kv(target, text: str, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The target's own de-rotated K/V of `text` (after its sink) for layers < k, and the seconds it took."""
-    from transformers import DynamicCache
-
     ids, _ = target.tokenize(text)
     full = torch.cat([torch.tensor(target.sink_ids, dtype=torch.long), ids])
-    cache = DynamicCache()
-
-    def stop(module, args, output):
-        raise _Stop
-
-    handle = target.model.model.layers[k - 1].register_forward_hook(stop)
     started = time.perf_counter()
-    try:
-        target.model.model(input_ids=full[None], past_key_values=cache, use_cache=True)
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
+    cache = target.first_layers_cache(full, k)
     seconds = time.perf_counter() - started
     n_sink = len(target.sink_ids)
     keys = torch.stack([cache.layers[i].keys[0, :, n_sink:] for i in range(k)])

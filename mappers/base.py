@@ -188,11 +188,7 @@ class Mapper(ABC):
             card["weights_bytes"] = (folder / WEIGHTS_NAME).stat().st_size
         else:
             card["weights_sha256"] = None
-        fd, tmp_card = tempfile.mkstemp(dir=folder, prefix=".card.")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(card, fh, indent=2, sort_keys=True, default=float)
-        os.chmod(tmp_card, 0o644)
-        os.replace(tmp_card, folder / CARD_NAME)
+        write_card(folder, card)
         return folder
 
     @staticmethod
@@ -257,6 +253,15 @@ def load_mapper(path: str | os.PathLike, *, source: ModelFingerprint | None = No
     mapper.fit_seconds = card.get("fit_seconds")
     mapper.fidelity = dict(card.get("fidelity") or {})
     return mapper
+
+
+def write_card(folder: str | os.PathLike, card: dict[str, Any]) -> None:
+    """Write an artifact's card atomically (a reader sees the old card or the new, never half)."""
+    fd, tmp_card = tempfile.mkstemp(dir=folder, prefix=".card.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(card, fh, indent=2, sort_keys=True, default=float)
+    os.chmod(tmp_card, 0o644)
+    os.replace(tmp_card, Path(folder) / CARD_NAME)
 
 
 def _sha256_file(path: Path) -> str:

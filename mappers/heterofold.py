@@ -135,8 +135,9 @@ class HeteroFoldMapper(RidgeMapper):
                   on_step=None) -> dict[str, Any]:
         """Output-aware calibration (see the module doc); folds the result into the weights."""
         s = self.settings
-        train_items = self._calibration_items(source, target, train_texts[: int(s["calib_texts"])])
-        held_items = self._calibration_items(source, target, heldout_texts[: int(s["calib_heldout_texts"])])
+        replay = _AttentionReplay(target)  # holds fp32 copies of o_proj for this fit only
+        train_items = self._calibration_items(source, target, train_texts[: int(s["calib_texts"])], replay)
+        held_items = self._calibration_items(source, target, heldout_texts[: int(s["calib_heldout_texts"])], replay)
         if not train_items:
             return {"skipped": "no calibration text long enough for a continuation"}
         L, D, r = self.target.num_layers, self.num_outputs, int(s["calib_rank"])
@@ -149,10 +150,8 @@ class HeteroFoldMapper(RidgeMapper):
             params[f"{kind}.bias"] = torch.zeros(L, D)
         for t in params.values():
             t.requires_grad_(True)
-        ctx = self._replay(target)
-
         def loss_of(item) -> torch.Tensor:
-            return ctx.loss(item, self._corrected(item, params), float(s["value_loss_weight"]))
+            return replay.loss(item, self._corrected(item, params), float(s["value_loss_weight"]))
 
         n = len(train_items)
         acc = int(s["calib_accumulate"])
@@ -172,7 +171,6 @@ class HeteroFoldMapper(RidgeMapper):
                        checkpoint_dir=Path(state_dir) / "heterofold", config_id=config_id,
                        progress=progress, description=f"calibrate {self.method}", on_step=on_step)
         self._fold(params)
-        self._replay_cache = None  # fp32 copies of the target's o_proj: not kept past the fit
         report["items"] = {"train": len(train_items), "heldout": len(held_items)}
         return report
 
@@ -197,7 +195,7 @@ class HeteroFoldMapper(RidgeMapper):
             self.y_mean[kind] = (self.y_mean[kind] + params[f"{kind}.bias"]).float()
 
     @torch.no_grad()
-    def _calibration_items(self, source, target, texts) -> list[dict[str, Any]]:
+    def _calibration_items(self, source, target, texts, replay: "_AttentionReplay") -> list[dict[str, Any]]:
         items = []
         frac = float(self.settings["continuation_fraction"])
         n_sink = len(target.sink_ids)
@@ -230,13 +228,8 @@ class HeteroFoldMapper(RidgeMapper):
             items.append({"hash": hashlib.sha256(text.encode()).hexdigest()[:16], "base": base,
                           "has_source": alignment.has_source, "layers": layers, "n_sink": n_sink,
                           "T": T, "Tc": ids_cont.numel()})
-        self._replay(target).precompute_native(items)
+        replay.precompute_native(items)
         return items
-
-    def _replay(self, target) -> "_AttentionReplay":
-        if getattr(self, "_replay_cache", None) is None or self._replay_cache.target is not target:
-            self._replay_cache = _AttentionReplay(target)
-        return self._replay_cache
 
 
 class _AttentionReplay:

@@ -25,6 +25,10 @@ from cag.models.adapters import FamilyAdapter, adapter_for
 from cag.models.fingerprint import fingerprint, state_dict_hash
 
 
+class _StopForward(Exception):
+    """Raised by a hook to end a forward once the last wanted layer has run."""
+
+
 class EmptyChunkError(ValueError):
     """A text that tokenizes to nothing cannot be a chunk."""
 
@@ -153,6 +157,29 @@ class LoadedModel:
         keys = self.adapter.derotate(keys[:, :, n_sink:], torch.arange(n_sink, total))
         return KVChunk(keys.contiguous(), values[:, :, n_sink:].contiguous(), ids, offsets, text_hash,
                        self.fingerprint, {"sink_ids": sink, **(settings or {})})
+
+    @torch.inference_mode()
+    def first_layers_cache(self, ids: torch.Tensor, num_layers: int) -> DynamicCache:
+        """The model's own cache of `ids` (no sink added) for layers ``0..num_layers-1`` only.
+
+        The forward is cut after layer ``num_layers - 1`` by a hook, so it costs
+        about ``num_layers / L`` of a prefill. Every token is kept in every layer.
+        """
+        if not 1 <= num_layers <= self.adapter.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.adapter.num_layers}], got {num_layers}")
+        cache = DynamicCache()
+
+        def stop(module, args, output):
+            raise _StopForward
+
+        handle = self.model.model.layers[num_layers - 1].register_forward_hook(stop)
+        try:
+            self.model.model(input_ids=ids[None].to(self.device), past_key_values=cache, use_cache=True)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        return cache
 
     # ---------------------------------------------------------- chunk → cache
 
