@@ -32,7 +32,8 @@ from transformers import DynamicCache
 
 from cag.kv import KVChunk, text_sha256
 from cag.models.loaded import LoadedModel
-from cag.prompt import PromptLayout
+from cag.models.prompt import PromptLayout
+from cag.models.prompt import head_ids as prompt_head_ids
 
 
 RECOMPUTE_SELECT = ("deviation", "question")
@@ -57,13 +58,10 @@ class Assembler:
         self.target = target
         self.layout = layout
         self.check_layer = min(check_layer, target.adapter.num_layers - 1)
-        head_ids, _ = target.tokenize(layout.head) if layout.head else (torch.zeros(0, dtype=torch.long), None)
-        sink = torch.tensor(target.sink_ids, dtype=torch.long)
-        # The head's first token is the sink; a head-less layout uses the model's sink prefix.
+        # The head's first token is the sink; a head-less layout is BOS alone.
+        head_ids = prompt_head_ids(target.tokenizer, layout)
         if head_ids.numel() == 0:
-            head_ids = sink
-        elif sink.numel() and not torch.equal(head_ids[: sink.numel()], sink) and not layout.chat:
-            head_ids = torch.cat([sink, head_ids])
+            head_ids = torch.tensor(target.sink_ids, dtype=torch.long)
         if head_ids.numel() == 0:
             raise ValueError(f"{target.name}: no prompt head and no sink token to hold the attention sink")
         self.prefix_ids = head_ids

@@ -1,47 +1,6 @@
-"""How a question and its context are laid out for one target model.
+"""The prompt layout lives in the ground (`cag.models.prompt`), because chunks are
+prefilled after the layout's head; this name is kept for the top-level callers."""
 
-A prompt is three parts: a **head** (the chat template's opening up to where the
-context goes), the **context** (the retrieved chunks), and a **tail** (the
-question and the rest of the template, up to where the answer starts). The head
-does not depend on the question, so its cache is computed once per target and
-shared: it holds the attention sink for every chunk placed after it.
+from cag.models.prompt import INSTRUCTION, PLAIN_TAIL, QUESTION_LINE, PromptLayout, head_ids, layout_for
 
-Models with a chat template get it rendered once with placeholders and split at
-them, so the layout is the model's own; base models without one get a plain
-"context, question, answer" layout.
-"""
-
-from __future__ import annotations
-
-from dataclasses import dataclass
-
-_CONTEXT = "\x00CAG_CONTEXT\x00"
-_QUESTION = "\x00CAG_QUESTION\x00"
-
-INSTRUCTION = "Answer the question using the context. Reply with a short answer only.\n\nContext:\n"
-QUESTION_LINE = "\n\nQuestion: {question}"
-PLAIN_TAIL = "\n\nQuestion: {question}\nAnswer:"
-
-
-@dataclass(frozen=True)
-class PromptLayout:
-    head: str
-    tail_template: str  # contains "{question}"
-    chat: bool
-
-    def tail(self, question: str) -> str:
-        return self.tail_template.replace("{question}", question.strip())
-
-
-def layout_for(tokenizer, system_prompt: str | None = None) -> PromptLayout:
-    """The layout of `tokenizer`'s chat template, or the plain one without a template."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = []
-        if system_prompt:
-            messages.append({"role": "system", "content": system_prompt})
-        messages.append({"role": "user", "content": INSTRUCTION + _CONTEXT + QUESTION_LINE.format(question=_QUESTION)})
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        head, rest = rendered.split(_CONTEXT)
-        return PromptLayout(head=head, tail_template=rest.replace(_QUESTION, "{question}"), chat=True)
-    head = (system_prompt.strip() + "\n\n") if system_prompt else ""
-    return PromptLayout(head=head, tail_template=PLAIN_TAIL, chat=False)
+__all__ = ["INSTRUCTION", "PLAIN_TAIL", "QUESTION_LINE", "PromptLayout", "head_ids", "layout_for"]

@@ -137,7 +137,7 @@ class Mapper(ABC):
         """Checked inputs → translated chunks."""
 
     def _target_chunk(self, keys, values, ids, offsets, chunk: KVChunk, target) -> KVChunk:
-        settings = {**chunk.settings, "sink_ids": list(target.sink_ids),
+        settings = {**chunk.settings, **target.chunk_settings(),
                     "translated": {"method": self.method, "source": self.source.id,
                                    "mapper": self.artifact_id}}
         return KVChunk(keys.contiguous(), values.contiguous(), ids, offsets, chunk.text_hash,

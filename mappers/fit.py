@@ -127,10 +127,13 @@ def _config_id(mapper: Mapper, heldout_fraction: float, seed: int) -> str:
 
 
 def _progress(enabled: bool):
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    # stderr: `cag fit --json` keeps stdout for its result
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[tokens]} tok"), TimeRemainingColumn(), disable=not enabled)
+                    TextColumn("{task.fields[tokens]} tok"), TimeRemainingColumn(), disable=not enabled,
+                    console=Console(stderr=True))
 
 
 def accumulate_statistics(source, target, mapper: LinearKVMapper, texts: Sequence[str],
@@ -199,6 +202,9 @@ def fit_mapper(source, target, method: str, texts: Sequence[str], out_dir: str |
         "texts_sha256": hashlib.sha256("".join(sorted(text_sha256(t) for t in train + held)).encode()).hexdigest(),
         "heldout_fraction": heldout_fraction,
         "seed": seed,
+        # Chunks are prefilled after a prefix (the prompt head, or bare BOS); a map is
+        # only valid for chunks made the same way, so the card records it.
+        "prefill_prefix": {"source": source.prefill_prefix, "target": target.prefill_prefix},
     }
     fidelity: dict[str, Any] = {}
     if isinstance(mapper, LinearKVMapper):

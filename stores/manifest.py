@@ -119,7 +119,11 @@ class Manifest(BaseModel):
         problems = []
         if mine.id != src.id:
             problems.append(f"source model {mine.describe()} (this build uses {src.describe()})")
-        if canonical_json(self.chunker) != canonical_json(dict(chunker)):
+        if self.chunker.get("prefill_prefix", "bos") != dict(chunker).get("prefill_prefix", "bos"):
+            problems.append(f"chunks prefilled after {self.chunker.get('prefill_prefix', 'bos')!r} "
+                            f"(this build prefills after {dict(chunker).get('prefill_prefix', 'bos')!r}; "
+                            "chunks prefilled after the prompt head answer better: rebuild into a new store)")
+        elif canonical_json(self.chunker) != canonical_json(dict(chunker)):
             problems.append(f"chunker settings {canonical_json(self.chunker)} "
                             f"(this build uses {canonical_json(dict(chunker))})")
         if embedder_id is not None and embedder_id != self.embedder_id:

@@ -4,11 +4,14 @@
 transformers model and tokenizer, its family adapter, its fingerprint, and the
 attention-sink prefix its chunks are prefilled after.
 
-The attention sink: models put a large share of attention on the first token of
-a sequence. A chunk prefilled on its own would make its first real token that
-sink; instead every chunk is prefilled after the model's sink prefix (its BOS
-token by default), and the prefix's own states are dropped. When chunks are
-assembled, one shared prefix is placed once in front of them all.
+The attention sink and the shared head: models put a large share of attention
+on the first token of a sequence. A chunk prefilled on its own would make its
+first real token that sink; instead every chunk is prefilled after a prefix
+whose own states are dropped. By default (``prefill_prefix="head"``) that prefix
+is the model's whole prompt head (`cag.models.prompt`: chat opening and the
+instruction, exactly what the assembler places in front of the context at query
+time), so a chunk reads as part of the real prompt (APE's shared prefix);
+``"bos"`` is the older bare-BOS prefix, kept to read stores built with it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from transformers import DynamicCache, PreTrainedModel
 from cag.kv import ForeignModelError, KVChunk, ModelFingerprint, text_sha256
 from cag.models.adapters import FamilyAdapter, adapter_for
 from cag.models.fingerprint import fingerprint, state_dict_hash
+from cag.models.prompt import head_ids, layout_for
+
+PREFILL_PREFIXES = ("head", "bos")
 
 
 class _StopForward(Exception):
@@ -41,29 +47,42 @@ class LoadedModel:
     adapter: FamilyAdapter
     fingerprint: ModelFingerprint
     sink_ids: list[int] = field(default_factory=list)
+    prefill_prefix: str = "head"  # what `sink_ids` is: the prompt head, the bare BOS, or "custom"
 
     @classmethod
     def from_pretrained(cls, model: PreTrainedModel, tokenizer, *, name: str,
                         weights_hash: str | None = None,
-                        sink_ids: Sequence[int] | None = None) -> "LoadedModel":
+                        sink_ids: Sequence[int] | None = None,
+                        prefill_prefix: str = "head") -> "LoadedModel":
         """Wrap a transformers model and its (fast) tokenizer.
 
         `weights_hash`: a hash of the weight files when the caller has one (the
         registry records the GGUF's SHA-256); otherwise the state dict is hashed.
-        `sink_ids`: the prefix chunks are prefilled after; default the BOS token.
+        `prefill_prefix`: what chunks are prefilled after, ``"head"`` (the prompt
+        head of `layout_for(tokenizer)`) or ``"bos"``; `sink_ids` overrides both.
         """
         model.eval()
         adapter = adapter_for(model)
         if sink_ids is None:
-            bos = tokenizer.bos_token_id
-            sink_ids = [bos] if bos is not None else []
+            sink_ids = prefix_ids_for(tokenizer, prefill_prefix).tolist()
+        else:
+            prefill_prefix = "custom"
         fp = fingerprint(
             model, tokenizer, family=adapter.family,
             geometry=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim),
             weights_hash=weights_hash or state_dict_hash(model), name=name,
         )
         return cls(name=name, model=model, tokenizer=tokenizer, adapter=adapter,
-                   fingerprint=fp, sink_ids=list(sink_ids))
+                   fingerprint=fp, sink_ids=list(sink_ids), prefill_prefix=prefill_prefix)
+
+    def with_prefill_prefix(self, prefill_prefix: str) -> "LoadedModel":
+        """The same model (shared weights) prefilling chunks after another prefix."""
+        return LoadedModel(self.name, self.model, self.tokenizer, self.adapter, self.fingerprint,
+                           prefix_ids_for(self.tokenizer, prefill_prefix).tolist(), prefill_prefix)
+
+    def chunk_settings(self) -> dict[str, Any]:
+        """What this model's chunks depend on besides their text (recorded in each chunk)."""
+        return {"sink_ids": list(self.sink_ids), "prefill_prefix": self.prefill_prefix}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,7 +175,8 @@ class LoadedModel:
         total = keys.shape[2]
         keys = self.adapter.derotate(keys[:, :, n_sink:], torch.arange(n_sink, total))
         return KVChunk(keys.contiguous(), values[:, :, n_sink:].contiguous(), ids, offsets, text_hash,
-                       self.fingerprint, {"sink_ids": sink, **(settings or {})})
+                       self.fingerprint, {"sink_ids": sink, "prefill_prefix": self.prefill_prefix
+                                          if sink == self.sink_ids else "custom", **(settings or {})})
 
     @torch.inference_mode()
     def first_layers_cache(self, ids: torch.Tensor, num_layers: int) -> DynamicCache:
@@ -215,3 +235,13 @@ class LoadedModel:
     @staticmethod
     def context_ids(chunks: Sequence[KVChunk]) -> torch.Tensor:
         return torch.cat([c.token_ids for c in chunks])
+
+
+def prefix_ids_for(tokenizer, prefill_prefix: str) -> torch.Tensor:
+    """The ids chunks are prefilled after: the default prompt head, or bare BOS."""
+    if prefill_prefix == "head":
+        return head_ids(tokenizer, layout_for(tokenizer))
+    if prefill_prefix == "bos":
+        bos = tokenizer.bos_token_id
+        return torch.tensor([bos] if bos is not None else [], dtype=torch.long)
+    raise ValueError(f"prefill_prefix must be one of {PREFILL_PREFIXES}, got {prefill_prefix!r}")
