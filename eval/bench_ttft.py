@@ -11,11 +11,21 @@ Every condition takes the whole query path: an index search, chunk loads from
 disk, translation, assembly, the question prefill and the choice of the first
 token. Runs are interleaved (each repeat cycles through the conditions) in one
 process, and medians are reported with the ratio to direct context.
+
+Ratios move with the host, so the report also carries what does not:
+
+- the **floor**: the question's own prefill and its first token against the
+  target's own cache of the same context, placed before the clock starts. No
+  cached path can beat it; each path's ``overhead_s`` (TTFT minus the floor) is
+  the work left to remove, and ``floor_ratio`` its TTFT over the floor;
+- the host: CPU model, cores, torch threads, and each target's prefill rate
+  (tokens/s) measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -27,10 +37,14 @@ import warnings
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from cag.context import CachedContext
+from cag.generate import last_logits
 from cag.mapping import MapperNotFoundError
 from cag.models import registry
+from cag.progress import Progress
+from eval.harness import host_info, host_line, measure_prefill_rate
 
 QUESTION = "What does the author say matters most here?"
 
@@ -59,13 +73,51 @@ def _measure(fn) -> float:
         return fn()
 
 
+@torch.inference_mode()
+def place_context(lm, asm, context_ids: list[torch.Tensor]) -> DynamicCache:
+    """The target's own cache of the prompt head and `context_ids`, as direct context
+    would leave it just before the question: the state the floor starts from."""
+    cache = DynamicCache(config=lm.model.config)
+    ids = torch.cat([asm.prefix_ids, *context_ids]).to(lm.device)
+    lm.model.model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+    return cache
+
+
+@torch.inference_mode()
+def floor_once(lm, placed: DynamicCache, question_ids: torch.Tensor) -> float:
+    """Seconds from the question's ids to its first token against `placed` (left intact).
+
+    The copy is made before the clock starts: a forward extends a cache in place.
+    """
+    cache = copy.deepcopy(placed)
+    started = time.perf_counter()
+    logits = last_logits(lm.model, question_ids[None].to(lm.device), cache)[-1]
+    int(torch.argmax(logits))
+    return time.perf_counter() - started
+
+
 def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: list[str], repeats: int,
-              work_dir: Path, chunk_tokens: int = 256, log=print) -> dict:
+              work_dir: Path, chunk_tokens: int = 256, log=print, progress: Progress | None = None,
+              prefill_rate_tokens: int = 1024) -> dict:
+    """Rows per (target, length, condition), the cached paths' breakdowns, the host and prefill rates.
+
+    `progress` advances once per round (one repeat of every condition at one length).
+    """
     from stores.build import build_store
 
+    if progress is not None:
+        log = progress.log
+    host = host_info()  # before the bench loads the machine itself
     text = essay_text()
     results = []
+    rates: dict[str, dict] = {}
+
+    def note(message: str) -> None:
+        if progress is not None:
+            progress.update(note=message)
+
     for target in targets:
+        note(f"{target}: loading, building stores")
         target_lm = registry.load(target, "bfloat16")
         docs = [(f"essays-{n}", cut_to_tokens(text, target_lm.tokenizer, n)) for n in lengths]
         stores = {"native_cache": work_dir / f"store-{target}"}
@@ -83,11 +135,21 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                 except (MapperNotFoundError, ValueError) as exc:
                     log(f"{target}: no {method} mapper from {source}: {exc}".splitlines()[0][:160])
         reference = contexts["native_cache"]
+        lm, asm = reference.target_model, reference.assembler  # the model every path answers with
+        note(f"{target}: measuring its prefill rate")
+        rates[target] = measure_prefill_rate(lm, prefill_rate_tokens)
+        log(f"{target}: prefill {rates[target]['prefill_tok_s']:,.0f} tokens/s "
+            f"({rates[target]['prefill_tokens']} tokens, on {host['cpu']})")
+        question_ids = asm.question_ids(QUESTION)
         for (doc_id, _), n in zip(docs, lengths):
             times: dict[str, list[float]] = {"direct": [], **{c: [] for c in contexts}}
             tokens: dict[str, int] = {}
             hits = {c: ctx.document_hits([doc_id]) for c, ctx in contexts.items()}
+            # the floor's context: the very text direct context prefills, placed off the clock
+            placed = place_context(lm, asm, [lm.tokenize(h.text)[0] for h in hits["native_cache"]])
+            floors: list[float] = []
             for rep in range(repeats + 1):  # the first round warms up and is not counted
+                note(f"{target}, {n} tokens, " + (f"repeat {rep}/{repeats}" if rep else "warm-up"))
                 for cond in times:
                     ctx = reference if cond == "direct" else contexts[cond]
 
@@ -107,15 +169,24 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                         if cond != "direct":
                             results.append({"target": target, "length": n, "condition": cond, "rep": rep,
                                             "breakdown": timings.to_dict()})
-            dc = statistics.median(times["direct"])
+                floor = floor_once(lm, placed, question_ids)  # interleaved with the paths it bounds
+                if rep:
+                    floors.append(floor)
+                if progress is not None:
+                    progress.advance()
+            del placed
+            dc, fl = statistics.median(times["direct"]), statistics.median(floors)
             for cond, ts in times.items():
                 med = statistics.median(ts)
                 row = {"target": target, "length": n, "condition": cond, "context_tokens": tokens[cond],
-                       "ttft_median_s": med, "ttft_all_s": ts, "speedup_vs_direct": dc / med}
+                       "ttft_median_s": med, "ttft_all_s": ts, "speedup_vs_direct": dc / med,
+                       "floor_s": fl, "floor_all_s": floors, "overhead_s": med - fl, "floor_ratio": med / fl,
+                       "prefill_tok_s": rates[target]["prefill_tok_s"], "cpu": host["cpu"]}
                 results.append(row)
-                log(f"{target} {n:>5} {cond:<16} TTFT {med:7.3f} s  ×{dc / med:6.1f}  ({tokens[cond]} tokens)")
+                log(f"{target} {n:>5} {cond:<16} TTFT {med:7.3f} s  ×{dc / med:6.1f} vs direct  "
+                    f"+{med - fl:.3f} s over the floor ({fl:.3f} s, ×{med / fl:.1f})  ({tokens[cond]} tokens)")
     return {"rows": [r for r in results if "ttft_median_s" in r],
-            "breakdowns": [r for r in results if "breakdown" in r]}
+            "breakdowns": [r for r in results if "breakdown" in r], "host": host, "prefill": rates}
 
 
 def render_markdown(report: dict) -> str:
@@ -125,11 +196,17 @@ def render_markdown(report: dict) -> str:
              f"({run['threads']} threads); source model {run['source']}; {run['repeats']} interleaved repeats after "
              "one warm-up, medians.", "",
              "TTFT = question string to first token: index search, chunk loads, translation, assembly, question "
-             "prefill, first token. Direct context prefills the same text instead of loading it.", "",
-             "| target | context tokens | condition | TTFT s (median) | speedup vs direct |", "|---|---|---|---|---|"]
+             "prefill, first token. Direct context prefills the same text instead of loading it. The floor is the "
+             "question's own prefill and first token against the target's own cache of the same context, placed "
+             "before the clock starts: no cached path can beat it. Over floor = TTFT minus the floor.", ""]
+    if run.get("host"):
+        lines += [host_line(run["host"], run.get("prefill", {})), ""]
+    lines += ["| target | context tokens | condition | TTFT s (median) | speedup vs direct | floor s | over floor s | "
+              "× floor | target prefill tok/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append(f"| {r['target']} | {r['context_tokens']} | {r['condition']} | {r['ttft_median_s']:.3f} | "
-                     f"{r['speedup_vs_direct']:.1f}× |")
+                     f"{r['speedup_vs_direct']:.1f}× | {r['floor_s']:.3f} | {r['overhead_s']:.3f} | "
+                     f"{r['floor_ratio']:.1f}× | {r['prefill_tok_s']:,.0f} |")
     by = {}
     for b in report["breakdowns"]:
         by.setdefault((b["target"], b["length"], b["condition"]), []).append(b["breakdown"])
@@ -154,6 +231,8 @@ def plot(report: dict, path: Path) -> None:
     series = {}
     for r in report["rows"]:
         series.setdefault(f"{r['target']} · {r['condition']}", []).append((r["context_tokens"], r["ttft_median_s"]))
+        if r["condition"] == "direct":  # one floor per (target, length), at direct context's length
+            series.setdefault(f"{r['target']} · floor", []).append((r["context_tokens"], r["floor_s"]))
     for name, pts in sorted(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -179,14 +258,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     args = parser.parse_args(argv)
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="cag-bench-") as tmp:
+    rounds = len(args.targets) * len(args.lengths) * (args.repeats + 1)
+    # stderr: with --json, stdout carries the report and nothing else
+    with tempfile.TemporaryDirectory(prefix="cag-bench-") as tmp, \
+            Progress("cag bench", rounds, unit="rounds") as bar:
         report = run_bench(source=args.source, targets=args.targets, lengths=args.lengths, methods=args.methods,
-                           repeats=args.repeats, work_dir=Path(tmp), log=lambda m: print(m, file=sys.stderr))
+                           repeats=args.repeats, work_dir=Path(tmp), progress=bar)
     report["run"] = {"command": "cag bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.platform()}, "
                      f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": torch.get_num_threads(),
                      "source": args.source, "repeats": args.repeats, "wall_s": round(time.time() - started, 1),
-                     "loadavg": os.getloadavg()}
+                     "loadavg": os.getloadavg(), "host": report.pop("host"), "prefill": report.pop("prefill")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ttft.json").write_text(json.dumps(report, indent=2))
     (args.out / "ttft.md").write_text(render_markdown(report))

@@ -18,6 +18,9 @@ against DC), once generating greedily (exact match, F1, answer found).
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +33,69 @@ from cag.generate import generate, last_logits, stop_token_ids
 from eval import metrics
 
 NO_CONTEXT, DIRECT, NATIVE = "no_context", "direct", "native_cache"
+
+# Any text costs the same to prefill (dense attention): a fixed filler keeps the
+# measured rate independent of datasets and of optional packages.
+_FILLER = ("The committee met on Tuesday to review the harbour accounts, and the clerk read "
+           "the minutes of the previous meeting aloud before the vote. ")
+
+
+def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo on Linux, else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name") and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def host_info() -> dict[str, Any]:
+    """What a timing depends on besides the code: CPU, cores, torch threads, load.
+
+    Ratios move with the host (a slower CPU makes direct context slower and the
+    speedups larger), so every report carries these beside its figures.
+    """
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable,
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "platform": platform.platform(),
+            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def host_line(host: dict[str, Any], prefill: dict[str, dict[str, Any]]) -> str:
+    """The host in one sentence, for a report's header: CPU, cores, threads, each target's prefill rate."""
+    rates = "; ".join(f"{t} {r['prefill_tok_s']:,.0f} tokens/s ({r['prefill_tokens']} tokens)"
+                      for t, r in prefill.items())
+    return (f"Host: {host.get('cpu')}, {host.get('cores')} cores ({host.get('usable_cores')} usable), "
+            f"torch {host.get('torch')} with {host.get('torch_threads')} threads. Prefill rate measured in this "
+            f"run: {rates or 'not measured'}.")
+
+
+@torch.inference_mode()
+def measure_prefill_rate(lm, tokens: int = 1024, repeats: int = 2) -> dict[str, Any]:
+    """The target's prefill rate on this host: `tokens` tokens from an empty cache,
+    one warm-up then the median of `repeats`, in tokens per second.
+
+    The base model only (no LM head), as a context prefill runs. Capped at the
+    model's position limit.
+    """
+    limit = int(getattr(lm.model.config, "max_position_embeddings", tokens))
+    n = max(1, min(tokens, limit))
+    ids, _ = lm.tokenize(_FILLER * (n // 8 + 1))
+    ids = ids[:n].to(lm.device)
+    times = []
+    for i in range(repeats + 1):
+        cache = DynamicCache(config=lm.model.config)
+        started = time.perf_counter()
+        lm.model.model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+        if i:  # the first forward pays one-time allocations
+            times.append(time.perf_counter() - started)
+    seconds = statistics.median(times)
+    return {"prefill_tok_s": round(ids.numel() / seconds, 1), "prefill_tokens": int(ids.numel()),
+            "prefill_s": round(seconds, 4)}
 
 
 @dataclass

@@ -14,6 +14,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,15 @@ import numpy as np
 from cag.context import CachedContext
 from cag.mapping import MapperNotFoundError
 from cag.models import registry
+from cag.progress import Progress, build_progress
 from eval import metrics
-from eval.harness import DIRECT, NO_CONTEXT, ItemRunner
+from eval.harness import DIRECT, NO_CONTEXT, ItemRunner, host_info, host_line, measure_prefill_rate
 
 RESULTS, SUMMARY, TABLE = "results.jsonl", "results.json", "results.md"
 
 
 def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, embedder=None,
-                     progress: bool = False):
+                     progress: bool = False, on_event: Callable[[Any], None] | None = None):
     """One store holding every document of `items`, prefilled by `source`."""
     from stores.build import build_store
 
@@ -40,7 +42,7 @@ def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, 
     if not docs:
         raise ValueError("these questions bring no documents; pass --store with a built store")
     return build_store(sorted(docs.items()), store_dir, registry.load(source, "bfloat16"),
-                       chunk_tokens=chunk_tokens, embedder=embedder, progress=progress)
+                       chunk_tokens=chunk_tokens, embedder=embedder, progress=progress, on_event=on_event)
 
 
 def _done(path: Path) -> set[tuple[str, str]]:
@@ -59,50 +61,70 @@ def _done(path: Path) -> set[tuple[str, str]]:
 def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, source: str = "smollm2-135m",
              targets: Sequence[str] = ("qwen2.5-0.5b", "gemma3-270m"), methods: Sequence[str] = ("auto",),
              top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
-             recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "", on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+             recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "",
+             progress: bool = False, prefill_rate_tokens: int = 1024) -> dict[str, Any]:
+    """Every condition on every (question, target) not yet in ``out_dir/results.jsonl``; the summary.
+
+    `progress`: report on stderr (`cag.progress.Progress`: a bar on a terminal,
+    plain lines elsewhere). Each target's prefill rate is measured in this run
+    (`prefill_rate_tokens` tokens), so the report says what host its TTFTs are from.
+    """
+    def reporter(label: str, total: int | None = None, **kw):
+        return Progress(label, total, **kw) if progress else nullcontext(None)
+
+    host = host_info()  # before the run loads the machine itself
     out_dir.mkdir(parents=True, exist_ok=True)
     if store is None:
         store = out_dir / "store"
-        build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder)
+        with build_progress("cag eval: store") if progress else nullcontext({}) as kw:
+            build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder, **kw)
     results_path = out_dir / RESULTS
     done = _done(results_path)
     notes: list[str] = []
     total = len(items) * len(targets)
     count = len([1 for i in items for t in targets if (i.id, t) in done])
-    for target in targets:
-        settings = dict(store=store, target=target, top_k=top_k, max_new_tokens=max_new_tokens,
-                        embedder=embedder, translation_cache_mb=0, recompute_ratio=recompute_ratio,
-                        recompute_select=recompute_select)
-        base = CachedContext(mapper="identity", **settings)
-        contexts: dict[str, CachedContext] = {}
-        for method in methods:
-            ctx = CachedContext(mapper=method, **settings)
-            try:
-                label = ctx.active_mapper.method
-            except (MapperNotFoundError, ValueError) as exc:
-                notes.append(f"{target}: no {method!r} mapper from the store's source ({exc.__class__.__name__})")
-                continue
-            contexts[label] = ctx
-        runner = ItemRunner(base, contexts, max_new_tokens=max_new_tokens)
-        for item in items:
-            if (item.id, target) in done:
-                continue
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                results = runner.run(item)
-            row = {"item": item.id, "target": target, "meta": dict(item.meta), "question": item.question,
-                   "answers": list(item.answers), "results": {k: v.to_dict() for k, v in results.items()}}
-            with open(results_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            count += 1
-            if on_progress:
-                on_progress(target, count, total)
-    summary = summarize(results_path)
+    rates: dict[str, dict[str, Any]] = {}
+    with reporter("cag eval", total, unit="questions", completed=count) as bar:
+        for target in targets:
+            settings = dict(store=store, target=target, top_k=top_k, max_new_tokens=max_new_tokens,
+                            embedder=embedder, translation_cache_mb=0, recompute_ratio=recompute_ratio,
+                            recompute_select=recompute_select)
+            base = CachedContext(mapper="identity", **settings)
+            if bar:
+                bar.log(f"{target}: loading, measuring its prefill rate")
+            rates[target] = measure_prefill_rate(base.target_model, prefill_rate_tokens)
+            if bar:
+                bar.log(f"{target}: prefill {rates[target]['prefill_tok_s']:,.0f} tokens/s "
+                        f"({rates[target]['prefill_tokens']} tokens)")
+            contexts: dict[str, CachedContext] = {}
+            for method in methods:
+                ctx = CachedContext(mapper=method, **settings)
+                try:
+                    label = ctx.active_mapper.method
+                except (MapperNotFoundError, ValueError) as exc:
+                    notes.append(f"{target}: no {method!r} mapper from the store's source ({exc.__class__.__name__})")
+                    continue
+                contexts[label] = ctx
+            runner = ItemRunner(base, contexts, max_new_tokens=max_new_tokens)
+            for item in items:
+                if (item.id, target) in done:
+                    continue
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    results = runner.run(item)
+                row = {"item": item.id, "target": target, "meta": dict(item.meta), "question": item.question,
+                       "answers": list(item.answers), "results": {k: v.to_dict() for k, v in results.items()}}
+                with open(results_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                if bar:
+                    bar.advance(note=f"{item.meta.get('dataset', 'qa')}, {target}")
+    summary = summarize(results_path, rates)
     summary["notes"] = notes + summary["notes"]
     summary["run"] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                      "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "source": source,
+                      "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "host": host,
+                      "prefill": rates, "source": source,
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
                       "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens}
@@ -118,8 +140,13 @@ _MEANS = ("exact_match", "f1", "found", "gold_log_likelihood", "kl_from_direct",
 _RETAINED = {"exact_match": "exact_match", "f1": "f1", "found": "found", "likelihood": "gold_log_likelihood"}
 
 
-def summarize(results_path: Path) -> dict[str, Any]:
-    """Per (dataset, target, condition): means, median TTFT, retention against DC."""
+def summarize(results_path: Path, rates: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per (dataset, target, condition): means, median TTFT, retention against DC.
+
+    `rates`: each target's prefill measurement of this run (`measure_prefill_rate`),
+    carried on its rows so that every ratio comes with the host's own speed.
+    """
+    rates = rates or {}
     rows = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
@@ -137,6 +164,7 @@ def summarize(results_path: Path) -> dict[str, Any]:
                 entry[key] = float(np.mean(vals)) if vals else None
             entry["ttft_s_median"] = float(np.median([v["ttft_s"] for v in x]))
             entry["context_tokens_mean"] = float(np.mean([v["context_tokens"] for v in x]))
+            entry["prefill_tok_s"] = rates.get(target, {}).get("prefill_tok_s")
             entry["retention"] = {}
             for name, key in _RETAINED.items():
                 cx = [v[key] for v, _ in paired]
@@ -175,18 +203,21 @@ def render_markdown(summary: dict[str, Any]) -> str:
         lines += [f"Command: `{run.get('command', '')}`  ", f"Date: {run.get('date')}; machine: {run.get('machine')}; "
                   f"source model: {run.get('source')}; top-k {run.get('top_k')}; chunk tokens {run.get('chunk_tokens')}; "
                   f"recompute ratio {run.get('recompute_ratio', 0.0)}, selected by {run.get('recompute_select', 'deviation')} (native and cached conditions).", ""]
+        if run.get("host"):
+            lines += [host_line(run["host"], run.get("prefill", {})), ""]
     lines += ["Retention = metric(condition) / metric(direct context) on the same questions and chunks, "
               "with a paired bootstrap 95% interval. KL and top-1 are against direct context's next-token "
               "distributions over the gold answer. TTFT excludes retrieval (the same for every condition).", "",
               "| dataset | target | condition | n | EM | F1 | found | F1 retention | found retention | "
-              "likelihood retention | KL(DC‖X) | top-1 | TTFT s (median) | context tokens |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "likelihood retention | KL(DC‖X) | top-1 | TTFT s (median) | context tokens | target prefill tok/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary["table"]:
         r = e["retention"]
         lines.append(f"| {e['dataset']} | {e['target']} | {e['condition']} | {e['n']} | {_fmt(e['exact_match'])} | "
                      f"{_fmt(e['f1'])} | {_fmt(e['found'])} | {_ret(r['f1'])} | {_ret(r['found'])} | "
                      f"{_ret(r['likelihood'])} | {_fmt(e['kl_from_direct'], 3)} | {_fmt(e['top1_with_direct'])} | "
-                     f"{_fmt(e['ttft_s_median'], 3)} | {e['context_tokens_mean']:.0f} |")
+                     f"{_fmt(e['ttft_s_median'], 3)} | {e['context_tokens_mean']:.0f} | "
+                     f"{_fmt(e.get('prefill_tok_s'), 0)} |")
     if summary.get("notes"):
         lines += ["", "Notes:", *[f"- {n}" for n in summary["notes"]]]
     return "\n".join(lines) + "\n"
