@@ -36,7 +36,9 @@ from cag.models.prompt import PromptLayout
 from cag.models.prompt import head_ids as prompt_head_ids
 
 
-RECOMPUTE_SELECT = ("deviation", "question")
+# How `place` chooses the tokens to recompute. "source" and "retriever" are chosen
+# outside the target (cag.selection) and passed in as `positions`.
+RECOMPUTE_SELECT = ("deviation", "question", "first_k", "source", "retriever")
 
 
 @dataclass
@@ -93,13 +95,16 @@ class Assembler:
     # --------------------------------------------------------------- assembly
 
     def place(self, chunks: Sequence[KVChunk], *, recompute_ratio: float = 0.0,
-              recompute_select: str = "deviation", question_ids: torch.Tensor | None = None) -> Placed:
-        """Build the cache of head + `chunks` (target-space), recomputing a fraction.
+              recompute_select: str = "deviation", question_ids: torch.Tensor | None = None,
+              first_k: int = 0, positions: torch.Tensor | None = None) -> Placed:
+        """Build the cache of head + `chunks` (target-space), recomputing some tokens.
 
         `recompute_select`: which tokens are recomputed; ``"deviation"`` (CacheBlend:
-        those whose K/V differ most from a fresh computation at the check layer) or
-        ``"question"`` (those the question attends to most, and their neighbours;
-        needs `question_ids`).
+        the r·n whose K/V differ most from a fresh computation at the check layer),
+        ``"question"`` (the r·n the question attends to most, and their neighbours;
+        needs `question_ids`), ``"first_k"`` (EPIC: the first `first_k` tokens of
+        every chunk, whatever the ratio), or ``"source"`` / ``"retriever"``: the
+        context `positions` chosen outside the target (`cag.selection`).
         """
         if not 0.0 <= recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
@@ -107,6 +112,10 @@ class Assembler:
             raise ValueError(f"recompute_select must be one of {RECOMPUTE_SELECT}, got {recompute_select!r}")
         if recompute_select == "question" and recompute_ratio > 0 and question_ids is None:
             raise ValueError("question-guided recompute needs the question's ids")
+        if recompute_select in ("source", "retriever") and positions is None:
+            raise ValueError(f"{recompute_select}-guided recompute needs the chosen positions")
+        if recompute_select == "first_k" and first_k < 0:
+            raise ValueError(f"first_k must be >= 0, got {first_k}")
         started = time.perf_counter()
         parts = [self.prefix(), *chunks]
         for chunk in chunks:
@@ -120,10 +129,19 @@ class Assembler:
         keys = adapter.rotate(keys, torch.arange(total))
         n_prefix = parts[0].num_tokens
         recompute_started = time.perf_counter()
-        n_recompute = round(recompute_ratio * (total - n_prefix))
+        given = None
+        if recompute_select == "first_k":
+            given = first_k_positions([c.num_tokens for c in chunks], n_prefix, first_k)
+        elif recompute_select in ("source", "retriever"):
+            given = torch.unique(positions.to(torch.long))
+            if given.numel() and (given.min() < n_prefix or given.max() >= total):
+                raise ValueError(f"recompute positions must lie in the context [{n_prefix}, {total})")
+        n_recompute = given.numel() if given is not None else round(recompute_ratio * (total - n_prefix))
         if n_recompute:
             with self.model_lock:
-                if n_recompute >= total - n_prefix:
+                if given is not None:
+                    chosen = given
+                elif n_recompute >= total - n_prefix:
                     chosen = torch.arange(n_prefix, total)
                 elif recompute_select == "question":
                     chosen = self._question_guided(keys, values, context_ids, n_prefix, n_recompute, question_ids)
@@ -164,10 +182,23 @@ class Assembler:
         right too). The choice is only as good as the placed keys: where they
         are translated and mislead the question, so does this (see README).
         """
+        total = context_ids.numel()
+        mass = self.question_mass(keys, values, total, question_ids)
+        mass[:n_prefix] = 0.0  # the shared prefix is the sink: always native, never recomputed
+        smooth = torch.nn.functional.max_pool1d(mass[None, None], 3, stride=1, padding=1)[0, 0]
+        smooth = smooth + 1e-3 * mass  # ties (a span's neighbours) go to the token itself first
+        smooth[:n_prefix] = -1.0
+        top = torch.topk(smooth, n_recompute).indices
+        return torch.sort(top).values
+
+    @torch.inference_mode()
+    def question_mass(self, keys: torch.Tensor, values: torch.Tensor, total: int,
+                      question_ids: torch.Tensor) -> torch.Tensor:
+        """Attention mass ``[total]`` the question puts on each placed position, averaged over
+        layers, heads and question tokens (rotated `keys`/`values` of every position)."""
         from cag.models.attention import attention_logits, capture_attention
 
-        total = context_ids.numel()
-        cache = DynamicCache()
+        cache = DynamicCache()  # keeps every token, whatever the layer kind
         for i in range(self.target.adapter.num_layers):
             cache.update(keys[i][None], values[i][None], i)
         captured: dict = {}
@@ -182,12 +213,21 @@ class Assembler:
             q, k, _, scaling, window = captured[layer]
             probs = torch.softmax(attention_logits(q, k, scaling, window, q_pos, k_pos), -1)
             mass += probs[:, :, :total].float().mean(dim=(0, 1)).cpu()
-        mass[:n_prefix] = 0.0  # the shared prefix is the sink: always native, never recomputed
-        smooth = torch.nn.functional.max_pool1d(mass[None, None], 3, stride=1, padding=1)[0, 0]
-        smooth = smooth + 1e-3 * mass  # ties (a span's neighbours) go to the token itself first
-        smooth[:n_prefix] = -1.0
-        top = torch.topk(smooth, n_recompute).indices
-        return torch.sort(top).values
+        return mass / self.target.adapter.num_layers
+
+    @torch.inference_mode()
+    def context_attention(self, chunks: Sequence[KVChunk], question_ids: torch.Tensor) -> torch.Tensor:
+        """`question_mass` of `question_ids` over head + `chunks` placed as stored (no recompute)."""
+        parts = [self.prefix(), *chunks]
+        for chunk in chunks:
+            self.target.check_chunk(chunk)
+        dtype = self.target.dtype
+        keys = torch.cat([c.keys for c in parts], dim=2).to(dtype)
+        values = torch.cat([c.values for c in parts], dim=2).to(dtype)
+        total = keys.shape[2]
+        keys = self.target.adapter.rotate(keys, torch.arange(total))
+        with self.model_lock:
+            return self.question_mass(keys, values, total, question_ids)
 
     @torch.inference_mode()
     def _recompute(self, keys: torch.Tensor, values: torch.Tensor, context_ids: torch.Tensor,
@@ -236,3 +276,12 @@ class Assembler:
             return additive(visible)
         in_window = (q - kv) < adapter.sliding_window
         return {"full_attention": additive(visible), "sliding_attention": additive(visible & in_window)}
+
+
+def first_k_positions(lengths: Sequence[int], n_prefix: int, k: int) -> torch.Tensor:
+    """EPIC's choice: the first `k` positions of every chunk (all of a chunk shorter than k)."""
+    out, start = [], n_prefix
+    for n in lengths:
+        out.append(torch.arange(start, start + min(k, n)))
+        start += n
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from cag.gate import DEFAULT_MIN_RETENTION, GateDecision
 from cag.kv import ChunkError, KVChunk
 from cag.models import registry
 
@@ -67,9 +68,12 @@ class Answer:
     warnings: list[str] = field(default_factory=list)
     mapper: str = ""
     condition: str = "cached"  # "cached" | "direct" | "no_context"
+    path: str = ""  # the serving path the gate chose: "native" | "translated" | "direct" (see cag.gate)
+    gate: dict[str, Any] = field(default_factory=dict)  # the decision: reason, measured fidelity, rejected paths
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "condition": self.condition, "mapper": self.mapper,
+        return {"text": self.text, "condition": self.condition, "mapper": self.mapper, "path": self.path,
+                "gate": self.gate,
                 "context_tokens": self.context_tokens, "recomputed_tokens": self.recomputed_tokens,
                 "warnings": list(self.warnings), "timings": self.timings.to_dict(),
                 "sources": [{"key": h.key, "doc_id": h.doc_id, "score": h.score, "start": h.start,
@@ -120,15 +124,20 @@ class CachedContext(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    store: Path = Field(description="The store directory (built by `cag build`).")
+    store: Path | str = Field(description="The store built by `cag build`: a directory, or a "
+                              "redis://host:port/NAME URL (stores.location).")
     target: str = Field("qwen2.5-0.5b", description="Answering model: short name, folder or HF id.")
     mapper: str = Field("auto", description="'auto', 'identity', a method name, or an artifact folder.")
     top_k: int = Field(4, ge=1, description="Chunks retrieved per question.")
     recompute_ratio: float = Field(0.0, ge=0.0, le=1.0, description="CacheBlend: fraction of context "
                                    "tokens the target recomputes (0 = none, 1 = direct context).")
-    recompute_select: Literal["deviation", "question"] = Field(
+    recompute_select: Literal["deviation", "question", "first_k", "source", "retriever"] = Field(
         "deviation", description="Which tokens are recomputed: 'deviation' (CacheBlend: K/V furthest from "
-        "a fresh computation) or 'question' (where the question attends; suits translated caches).")
+        "a fresh computation), 'question' (where the target's question attends over the placed cache), "
+        "'first_k' (EPIC: the first recompute_first_k tokens of every chunk), 'source' (where the store's "
+        "source model's contrastive question attention points, over its own chunks: for translated caches), "
+        "'retriever' (sentences closest to the question by embedding). See cag.selection.")
+    recompute_first_k: int = Field(16, ge=0, description="Tokens per chunk for recompute_select='first_k'.")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -136,6 +145,11 @@ class CachedContext(BaseModel):
     system_prompt: str | None = None
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     translation_cache_mb: float = Field(512.0, ge=0.0, description="LRU of translated chunks per target.")
+    min_retention: float = Field(DEFAULT_MIN_RETENTION, ge=0.0, le=1.0, description="Quality gate: the "
+                                 "least share of direct context's found-rate (measured on calibration lookup "
+                                 "items) a cached path must keep to be served; 0 serves any path (consent).")
+    fallback: Literal["direct", "raise"] = Field("direct", description="When no cached path meets the gate: "
+                                                 "'direct' prefills the retrieved text, 'raise' raises GateError.")
     embedder: Any = Field(None, exclude=True, description="Query embedder; default: the one the store "
                           "was built with (an id it records), or pass the same callable the build used.")
 
@@ -143,8 +157,11 @@ class CachedContext(BaseModel):
     _mapper: Any = PrivateAttr(None)
     _assembler: Any = PrivateAttr(None)
     _chunks: Any = PrivateAttr(None)
+    _location: Any = PrivateAttr(None)  # stores.location.open_store(store)
     _view: Any = PrivateAttr(None)  # (version, manifest, index)
     _lru: Any = PrivateAttr(None)
+    _decision: Any = PrivateAttr(None)  # (source fingerprint id, GateDecision)
+    _source_asm: Any = PrivateAttr(None)  # the store's source model's Assembler, for source-guided recompute
     _setup_lock: Any = PrivateAttr(default_factory=threading.RLock)
     _last_answer: Answer | None = PrivateAttr(None)
 
@@ -155,16 +172,26 @@ class CachedContext(BaseModel):
 
     # ------------------------------------------------------------ set-up
 
+    @field_validator("store", mode="before")
+    @classmethod
+    def _path_or_url(cls, value: Any) -> Any:
+        from stores.location import is_store_url
+
+        # a URL stays a str: Path("redis://host/x") would fold its "//"
+        return Path(value) if isinstance(value, (str, Path)) and not is_store_url(value) else value
+
     def _current_view(self):
         """The published (manifest, index), reopened when a build publishes a new version."""
-        from stores.manifest import current_version, open_current
-
         with self._setup_lock:
-            number = current_version(self.store)
+            if self._location is None:
+                from stores.location import open_store
+
+                self._location = open_store(self.store)
+            number = self._location.current_version()
             if number is None:
                 raise EmptyStoreError(f"no store at {self.store}: nothing published yet (run `cag build`)")
             if self._view is None or self._view[0] != number:
-                manifest, index = open_current(self.store, self.embedder)
+                manifest, index = self._location.open_current(self.embedder)
                 self._view = (manifest.version, manifest, index)
             return self._view[1], self._view[2]
 
@@ -175,14 +202,12 @@ class CachedContext(BaseModel):
             if self._target_lm is None:
                 from cag.assembler import Assembler
                 from cag.prompt import layout_for
-                from stores.diskcache_store import DiskCacheChunkStore
-                from stores.manifest import chunks_dir
 
                 self._target_lm = registry.load(self.target, self.dtype)
                 self._assembler = Assembler(self._target_lm, layout_for(self._target_lm.tokenizer,
                                                                         self.system_prompt))
                 self._assembler.prefix()  # once per target, at set-up: not part of any query's TTFT
-                self._chunks = DiskCacheChunkStore(chunks_dir(self.store))
+                self._chunks = self._location.chunks()
                 self._lru = _TranslatedLRU(int(self.translation_cache_mb * 1e6))
             return self._target_lm, self._assembler
 
@@ -196,6 +221,48 @@ class CachedContext(BaseModel):
 
                 self._mapper = resolve_mapper(self.mapper, manifest.source_fingerprint, lm)
             return lm, self._mapper, asm
+
+    @property
+    def decision(self) -> GateDecision:
+        """The gate's choice of serving path for this store's source and this target (see `cag.gate`)."""
+        from cag.gate import choose_path, native_fidelity, translated_fidelity
+        from cag.mapping import MapperNotFoundError
+
+        with self._setup_lock:
+            lm, _ = self._ready_target()
+            manifest, _ = self._current_view()
+            source = manifest.source_fingerprint
+            if self._decision is not None and self._decision[0] == source.id:
+                return self._decision[1]
+            try:
+                mapper = self._ready()[1]
+            except MapperNotFoundError as exc:
+                if self.fallback == "raise":
+                    raise
+                mapper, missing = None, str(exc).split(". ")[0]
+            if mapper is None:
+                candidates = []
+            elif mapper.method == "identity":
+                candidates = [native_fidelity(lm.fingerprint.id, lm.name)]
+            else:
+                candidates = [translated_fidelity({"method": mapper.method, "fidelity": mapper.fidelity},
+                                                  getattr(mapper, "artifact_id", mapper.method))]
+            decision = choose_path(candidates, self.min_retention, self.fallback)
+            if mapper is None:
+                decision = GateDecision("direct", decision.fidelity, missing + ": prefilling the text",
+                                        (("translated", missing),))
+            self._decision = (source.id, decision)
+            return decision
+
+    def _store_notes(self, lm) -> list[str]:
+        """Warnings about the store itself: chunks made in a way the path was not measured on."""
+        manifest, _ = self._current_view()
+        notes = []
+        prefix = manifest.chunker.get("prefill_prefix", "bos")
+        if prefix != "head":
+            notes.append(f"this store's chunks were prefilled after {prefix!r}, not the prompt head; "
+                         "rebuild it into a new store to answer better (README, 'Shared head')")
+        return notes
 
     @property
     def target_model(self):
@@ -257,14 +324,21 @@ class CachedContext(BaseModel):
         question_ids = asm.question_ids(question)
         reserve = question_ids.numel() + (max_new_tokens or self.max_new_tokens)
         chunks, used = self._fit_window(chunks, used, reserve, notes)
+        positions = None
+        if self.recompute_select in ("source", "retriever") and self.recompute_ratio > 0 and chunks:
+            t = time.perf_counter()
+            positions = self._guided_positions(question, chunks, used, asm)
+            timings.recompute += time.perf_counter() - t
         with asm.model_lock:
             placed = asm.place(chunks, recompute_ratio=self.recompute_ratio,
-                               recompute_select=self.recompute_select, question_ids=question_ids)
-        timings.assemble, timings.recompute = placed.assemble_s, placed.recompute_s
+                               recompute_select=self.recompute_select, question_ids=question_ids,
+                               first_k=self.recompute_first_k, positions=positions)
+        timings.assemble, timings.recompute = placed.assemble_s, timings.recompute + placed.recompute_s
         for note in notes:
             warnings.warn(note, stacklevel=3)
         answer = Answer("", used, timings, context_tokens=placed.context_ids.numel() - placed.prefix_tokens,
-                        recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method)
+                        recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method,
+                        path="native" if mapper.method == "identity" else "translated")
         return Prepared(placed.cache, question_ids, answer, t0)
 
     def stream(self, question: str, hits: list[Any] | None = None, *,
@@ -276,11 +350,16 @@ class CachedContext(BaseModel):
         """
         from cag.generate import stream_tokens, stop_token_ids
 
+        decision = self.decision
+        if decision.path == "direct":
+            answer = yield from self._stream_direct(question, hits, max_new_tokens, decision)
+            return answer
         lm, _, asm = self._ready()
         max_new = max_new_tokens or self.max_new_tokens
         with asm.model_lock:
             prepared = self.prepare(question, hits, max_new_tokens=max_new)
             answer, timings, t0 = prepared.answer, prepared.answer.timings, prepared.started
+            self._gate_answer(answer, decision, lm)
             self._last_answer = answer
             decode_started = None
             for step in stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
@@ -298,6 +377,89 @@ class CachedContext(BaseModel):
             timings.decode = end - decode_started
             timings.total = end - t0
         return answer  # the generator's value: this stream's own Answer, whatever other threads did
+
+    def _gate_answer(self, answer: Answer, decision: GateDecision, lm) -> None:
+        answer.path, answer.gate = decision.path, decision.to_dict()
+        notes = self._store_notes(lm)
+        if self.min_retention <= 0.0 and decision.path != "direct":
+            fid = decision.fidelity
+            notes.append(f"quality gate off: serving the {decision.path} path, which measured "
+                         + (f"found-rate retention {fid.found_retention:.2f} (n={fid.n})" if fid.measured
+                            else "no lookup fidelity") + " on calibration items")
+        for note in notes:
+            warnings.warn(note, stacklevel=4)
+        answer.warnings.extend(notes)
+
+    def _stream_direct(self, question, hits, max_new_tokens, decision: GateDecision):
+        """The gate's fallback: the target prefills the retrieved text, streamed as it decodes."""
+        from transformers import DynamicCache
+
+        from cag.generate import stream_tokens, stop_token_ids
+
+        warnings.warn(decision.reason, stacklevel=4)
+        t0 = time.perf_counter()
+        timings = Timings()
+        if hits is None:
+            hits = self.retrieve(question)
+            timings.retrieve = time.perf_counter() - t0
+        lm, asm = self._ready_target()
+        hits = self._order(hits)
+        context_ids = [lm.tokenize(h.text)[0] for h in hits]
+        answer = Answer("", hits, timings, context_tokens=sum(c.numel() for c in context_ids),
+                        warnings=[decision.reason], condition="direct", path="direct", gate=decision.to_dict())
+        self._last_answer = answer
+        ids = asm.direct_ids(context_ids, question)
+        with asm.model_lock:
+            decode_started = None
+            for step in stream_tokens(lm.model, lm.tokenizer, DynamicCache(config=lm.model.config), ids,
+                                      max_new_tokens=max_new_tokens or self.max_new_tokens,
+                                      stop_ids=stop_token_ids(lm.tokenizer)):
+                if decode_started is None and step.token_id is not None:
+                    decode_started = time.perf_counter()
+                    timings.question_prefill = step.seconds
+                    timings.first_token = decode_started - t0
+                answer.text += step.text
+                yield step.text
+            end = time.perf_counter()
+            if decode_started is None:
+                timings.question_prefill = timings.first_token = end - t0
+                decode_started = end
+            timings.decode, timings.total = end - decode_started, end - t0
+        return answer
+
+    def _source_assembler(self):
+        """The store's source model and its Assembler (loaded once; the target itself when native)."""
+        from cag.assembler import Assembler
+        from cag.models.prompt import layout_for
+
+        with self._setup_lock:
+            manifest, _ = self._current_view()
+            fp = manifest.source_fingerprint
+            if self._source_asm is None or self._source_asm.target.fingerprint.id != fp.id:
+                lm = self._target_lm if fp.id == self._target_lm.fingerprint.id else registry.load(
+                    fp.name, self.dtype)
+                if lm.fingerprint.id != fp.id:
+                    raise ValueError(f"source-guided recompute needs the store's source model {fp.describe()}; "
+                                     f"loading {fp.name!r} gave {lm.fingerprint.describe()}")
+                self._source_asm = Assembler(lm, layout_for(lm.tokenizer))
+            return self._source_asm
+
+    def _guided_positions(self, question: str, chunks: list[KVChunk], used: list[Any], asm):
+        """Context positions to recompute, chosen by the source model or the retriever (cag.selection)."""
+        from cag import selection
+
+        budget = round(self.recompute_ratio * sum(c.num_tokens for c in chunks))
+        texts = [h.text for h in used]
+        if self.recompute_select == "retriever":
+            _, index = self._current_view()
+            spans = selection.retriever_spans(index.embed, chunks, texts, question, budget)
+        else:
+            manifest, _ = self._current_view()
+            source_chunks = [KVChunk.from_bytes(self._chunks.get(h.key), expect_model=manifest.source_fingerprint)
+                             for h in used]
+            spans = selection.source_guided_spans(self._source_assembler(), source_chunks, chunks, texts,
+                                                  question, budget)
+        return selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
 
     def document_hits(self, doc_ids: list[str]) -> list[Any]:
         """Every chunk of the given documents, in document order (whole-document context)."""
@@ -406,7 +568,8 @@ class CachedContext(BaseModel):
         timings.first_token = timings.retrieve + gen.question_prefill_s
         timings.decode, timings.total = gen.decode_s, end - t0
         return Answer(gen.text, hits, timings, context_tokens=sum(c.numel() for c in context_ids),
-                      condition="direct" if with_context else "no_context", mapper="")
+                      condition="direct" if with_context else "no_context", mapper="",
+                      path="direct" if with_context else "no_context")
 
     # ------------------------------------------------------------- plain LLM
 
@@ -465,3 +628,6 @@ class CachedContext(BaseModel):
         if self._chunks is not None:
             self._chunks.close()
             self._chunks = None
+        if self._location is not None:
+            self._location.close()
+            self._location = None

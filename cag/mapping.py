@@ -2,7 +2,9 @@
 
 ``mapper="auto"`` means: the identity when the store's source model *is* the
 target; otherwise the best measured mapper shipped for (source, target), where
-"best" is the lowest next-token KL recorded in its card. Other values: a method
+"best" is the highest lookup fidelity recorded in its card (found-rate retention on
+calibration lookup items, `eval/gate_fidelity.py`), then the lowest next-token KL.
+Whether the chosen path is *served* is the quality gate's call (`cag.gate`). Other values: a method
 name (``"ridge"``, ``"latent"``, ...) picks the shipped mapper of that method for
 the pair, and a path loads that artifact (checked against the pair).
 
@@ -53,9 +55,14 @@ def card_fidelity(card: dict[str, Any]) -> dict[str, Any]:
     return fidelity.get("heldout", fidelity)
 
 
-def _score(card: dict[str, Any]) -> float:
+def _score(card: dict[str, Any]) -> tuple[float, float]:
+    """Rank for ``auto``: lookup fidelity first (found-rate retention on calibration lookup
+    items, higher is better; unmeasured ranks last), then the plain-text next-token KL."""
+    lookup = (card.get("fidelity") or {}).get("lookup") or {}
+    found = lookup.get("found_retention")
     kl = card_fidelity(card).get("kl")
-    return float(kl) if isinstance(kl, (int, float)) else float("inf")
+    return (-float(found) if isinstance(found, (int, float)) else float("inf"),
+            float(kl) if isinstance(kl, (int, float)) else float("inf"))
 
 
 def resolve_mapper(spec: str | os.PathLike, source: ModelFingerprint, target: LoadedModel):

@@ -852,10 +852,18 @@ def needle(*, seed: int = 0, lengths: Sequence[int] = (1024, 2048, 4096, 8192),
 # ---------------------------------------------------------------------------
 # Registry
 
+def _calibration_lookup(**kw) -> list[QAItem]:
+    """Calibration-side lookup items (`eval.calibration_lookup`): for gates and defaults, never reports."""
+    from eval.calibration_lookup import calibration_lookup
+
+    return calibration_lookup(**kw)
+
+
 DATASETS: dict[str, Callable[..., list[QAItem]]] = {
     "synthetic-kb": synthetic_kb,
     "needle": needle,
     "essay-qa": essay_qa,
+    "calib-lookup": _calibration_lookup,
 }
 
 

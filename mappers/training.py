@@ -217,8 +217,10 @@ def _resume(path: Path, config_id: str, names, tensors, optimizer, state: _State
 
 
 def _progress(enabled: bool):
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    # stderr: `cag fit --json` keeps stdout for its result
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("loss {task.fields[loss]:.4f} · best held-out {task.fields[best]:.4f}"),
-                    TimeRemainingColumn(), disable=not enabled)
+                    TimeRemainingColumn(), disable=not enabled, console=Console(stderr=True))

@@ -51,7 +51,7 @@ from cag.kv import (
 from .base import StoreStats
 from .errors import StoreIntegrityError
 
-__all__ = ["DiskCacheChunkStore", "BytesOnlyDisk", "VerifyReport", "EntryProblem"]
+__all__ = ["DiskCacheChunkStore", "BytesOnlyDisk", "VerifyReport", "EntryProblem", "verify_chunks"]
 
 _MODE_NAMES = {MODE_RAW: "raw", MODE_BINARY: "binary", MODE_TEXT: "text", MODE_PICKLE: "pickle"}
 
@@ -207,39 +207,45 @@ class DiskCacheChunkStore:
     # --------------------------------------------------------------- maintenance
 
     def verify(self, expect_model: ModelFingerprint | None = None) -> VerifyReport:
-        """Re-read every entry and check it is a valid `KVChunk` frame.
+        """Re-read every entry and check it is a valid `KVChunk` frame (see `verify_chunks`)."""
+        return verify_chunks(self, expect_model)
 
-        Per entry: it is raw bytes (else ``refused``), its frame and checksum hold
-        and its metadata parses (`read_metadata`), its fingerprint is
-        `expect_model`'s when given (else ``foreign``), and it fully decodes
-        (`KVChunk.from_bytes`). Nothing is repaired or deleted.
-        """
-        report = VerifyReport()
-        for key in list(self.keys()):
-            report.checked += 1
-            try:
-                data = self.get(key)
-            except StoreIntegrityError as exc:
-                report.corrupt.append(EntryProblem(key, "refused", str(exc)))
+
+def verify_chunks(store: Any, expect_model: ModelFingerprint | None = None) -> VerifyReport:
+    """Re-read every entry of a `ChunkStore` and check it is a valid `KVChunk` frame.
+
+    Per entry: it is raw bytes (else ``refused``), its frame and checksum hold
+    and its metadata parses (`read_metadata`), its fingerprint is
+    `expect_model`'s when given (else ``foreign``), and it fully decodes
+    (`KVChunk.from_bytes`). Nothing is repaired or deleted. Any backend's store
+    is checked by this one function, so every backend is held to the same checks.
+    """
+    report = VerifyReport()
+    for key in list(store.keys()):
+        report.checked += 1
+        try:
+            data = store.get(key)
+        except StoreIntegrityError as exc:
+            report.corrupt.append(EntryProblem(key, "refused", str(exc)))
+            continue
+        if data is None:
+            report.corrupt.append(EntryProblem(key, "missing", "listed, but its value cannot be read"))
+            continue
+        try:
+            meta = read_metadata(data)
+            model = ModelFingerprint.from_dict(meta.get("model") or {})
+            if expect_model is not None and model.id != expect_model.id:
+                report.foreign.append(
+                    EntryProblem(key, "foreign", f"computed by {model.describe()}, "
+                                                 f"expected {expect_model.describe()}")
+                )
                 continue
-            if data is None:
-                report.corrupt.append(EntryProblem(key, "missing", "listed, but its value cannot be read"))
-                continue
-            try:
-                meta = read_metadata(data)
-                model = ModelFingerprint.from_dict(meta.get("model") or {})
-                if expect_model is not None and model.id != expect_model.id:
-                    report.foreign.append(
-                        EntryProblem(key, "foreign", f"computed by {model.describe()}, "
-                                                     f"expected {expect_model.describe()}")
-                    )
-                    continue
-                KVChunk.from_bytes(data)
-            except ChunkError as exc:
-                report.corrupt.append(EntryProblem(key, _problem_kind(exc), str(exc)))
-                continue
-            report.ok += 1
-        return report
+            KVChunk.from_bytes(data)
+        except ChunkError as exc:
+            report.corrupt.append(EntryProblem(key, _problem_kind(exc), str(exc)))
+            continue
+        report.ok += 1
+    return report
 
 
 def _problem_kind(exc: ChunkError) -> str:

@@ -140,6 +140,10 @@ class VectorIndex:
     def keys(self) -> set[str]:
         return {r.key for r in self._rows}
 
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit-norm embeddings of `texts` by this index's embedder (``[n, dim]``)."""
+        return self._embed(texts)
+
     def _embed(self, texts: Sequence[str]) -> np.ndarray:
         vecs = np.ascontiguousarray(np.asarray(self._embedder(list(texts)), dtype=np.float32))
         if vecs.ndim != 2 or vecs.shape[0] != len(texts):

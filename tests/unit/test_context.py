@@ -37,6 +37,7 @@ def kb(tmp_path_factory):
 def ctx_for(kb, **kw):
     root, source = kb
     kw.setdefault("target", str(source))
+    kw.setdefault("min_retention", 0.0)  # tiny models have no measured fidelity: consent to the cached path
     return CachedContext(store=root / "store", embedder=HashEmbedder(), dtype="float32",
                          max_new_tokens=6, **kw)
 
@@ -75,7 +76,7 @@ def test_corrupt_chunk_is_skipped_and_named(kb, tmp_path):
     root, source = kb
     shutil.copytree(root / "store", tmp_path / "store")
     ctx = CachedContext(store=tmp_path / "store", target=str(source), embedder=HashEmbedder(),
-                        dtype="float32", max_new_tokens=4)
+                        dtype="float32", max_new_tokens=4, min_retention=0.0)
     hits = ctx.retrieve("maps")
     with DiskCacheChunkStore(chunks_dir(tmp_path / "store")) as chunks:
         chunks.put(hits[0].key, chunks.get(hits[0].key)[:50], overwrite=True)
@@ -95,7 +96,11 @@ def test_context_longer_than_the_budget_is_truncated_by_score(kb):
 def test_no_mapper_for_the_pair(kb, tmp_path):
     other = saved(tmp_path, "llama")
     with pytest.raises(MapperNotFoundError, match="cag fit"):
-        ctx_for(kb, target=str(other)).answer("maps")
+        ctx_for(kb, target=str(other), fallback="raise").answer("maps")
+    # The default falls back to direct context, and says so.
+    with pytest.warns(UserWarning, match="no mapper"):
+        answer = ctx_for(kb, target=str(other)).answer("maps")
+    assert answer.path == "direct" and answer.condition == "direct" and "no mapper" in answer.warnings[0]
 
 
 def test_empty_store_and_no_hits(tmp_path, kb):
@@ -112,7 +117,7 @@ def test_new_version_is_picked_up(kb, tmp_path):
     root, source = kb
     shutil.copytree(root / "store", tmp_path / "store")
     ctx = CachedContext(store=tmp_path / "store", target=str(source), embedder=HashEmbedder(),
-                        dtype="float32", max_new_tokens=2)
+                        dtype="float32", max_new_tokens=2, min_retention=0.0)
     before = {h.doc_id for h in ctx.retrieve(doc(9, paragraphs=1), top_k=50)}
     build_store([(f"doc{i}", doc(i, paragraphs=2)) for i in range(4)] + [("doc9", doc(9, paragraphs=1))],
                 tmp_path / "store", registry.load(str(source), "float32"), chunk_tokens=32,

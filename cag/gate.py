@@ -1,0 +1,159 @@
+"""The quality gate: which serving path a `CachedContext` may use for a (source, target) pair.
+
+A *serving path* is how the target gets the retrieved context:
+
+=====================  ==========================================================
+path                   what the target does
+=====================  ==========================================================
+``native``             places its own chunk caches (the store was built by it)
+``translated``         places the store's chunks translated by a mapper
+``direct``             prefills the retrieved text itself (the reference; no speedup)
+=====================  ==========================================================
+
+Each cached path has a **measured lookup fidelity** for its pair, recorded where
+``mapper="auto"`` reads it: the mapper card's ``fidelity.lookup`` for translated
+paths, ``mappers/pretrained/native_lookup.json`` for native ones. Both are
+written by ``python eval/gate_fidelity.py`` from `cag eval`'s conditions on
+**calibration-side lookup items** (`eval/calibration_lookup.py`), never on an
+evaluation set. The figure the gate reads is the *found-rate retention*: the
+share of questions whose gold answer appears in the path's answer, over the
+share direct context finds on the same items.
+
+The gate takes the fastest path whose retention is at least ``min_retention``
+*and* that finds more answers than no context did on the same items (a path that
+measures no better than no context is never served by default). A path with no
+measurement does not pass: unknown is not good. When nothing cached passes,
+``fallback="direct"`` prefills the retrieved text (correct, not fast), and
+``fallback="raise"`` raises `GateError`. ``min_retention=0`` is the caller's
+explicit consent to serve a path whatever it measures (benchmarks do this);
+the answer still carries the measurement and a warning.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Fastest first. "direct" is always last: it is the fallback, never gated.
+PATHS = ("native", "translated", "direct")
+DEFAULT_MIN_RETENTION = 0.6
+NATIVE_LOOKUP_FILE = "native_lookup.json"
+
+
+class GateError(RuntimeError):
+    """No cached path meets the gate and the caller asked not to fall back to direct context."""
+
+
+@dataclass(frozen=True)
+class PathFidelity:
+    """What one serving path measured on calibration lookup items (None: not measured)."""
+
+    path: str
+    found_retention: float | None = None  # found(path) / found(direct)
+    f1_retention: float | None = None
+    found_rate: float | None = None
+    direct_found_rate: float | None = None
+    no_context_found_rate: float | None = None
+    n: int = 0
+    items: str = ""  # which calibration items (dataset name and seed)
+    recorded_in: str = ""  # the card or file the figures come from
+    method: str = ""  # the mapper method of a translated path
+
+    @classmethod
+    def from_record(cls, path: str, record: dict[str, Any] | None, *, recorded_in: str,
+                    method: str = "") -> "PathFidelity":
+        if not record:
+            return cls(path, recorded_in=recorded_in, method=method)
+        def num(key):
+            value = record.get(key)
+            return float(value) if isinstance(value, (int, float)) else None
+        return cls(path, num("found_retention"), num("f1_retention"), num("found_rate"),
+                   num("direct_found_rate"), num("no_context_found_rate"), int(record.get("n") or 0),
+                   str(record.get("items", "")), recorded_in, method)
+
+    @property
+    def measured(self) -> bool:
+        return self.found_retention is not None and self.n > 0
+
+    def beats_no_context(self) -> bool:
+        if self.found_rate is None or self.no_context_found_rate is None:
+            return False
+        return self.found_rate > self.no_context_found_rate
+
+    def verdict(self, min_retention: float) -> tuple[bool, str]:
+        """Whether this path passes a gate of `min_retention`, and why (one line)."""
+        if self.path == "direct":
+            return True, "direct context is the reference"
+        if min_retention <= 0.0:
+            return True, "gate off (min_retention=0): served whatever it measures"
+        if not self.measured:
+            return False, f"{self.path} path has no measured lookup fidelity for this pair"
+        if not self.beats_no_context():
+            return False, (f"{self.path} path finds no more answers than no context "
+                           f"({self.found_rate:.2f} vs {self.no_context_found_rate:.2f}, n={self.n})")
+        if self.found_retention < min_retention:
+            return False, (f"{self.path} path keeps {self.found_retention:.2f} of direct context's found-rate "
+                           f"(n={self.n}), below the gate's {min_retention:.2f}")
+        return True, (f"{self.path} path keeps {self.found_retention:.2f} of direct context's found-rate "
+                      f"(n={self.n}; gate {min_retention:.2f})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    path: str
+    fidelity: PathFidelity
+    reason: str
+    rejected: tuple[tuple[str, str], ...]  # (path, why) of faster paths that did not pass
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "reason": self.reason, "fidelity": self.fidelity.to_dict(),
+                "rejected": [{"path": p, "why": w} for p, w in self.rejected]}
+
+
+def choose_path(candidates: list[PathFidelity], min_retention: float, fallback: str) -> GateDecision:
+    """The first (fastest) candidate that passes; then direct context or `GateError`."""
+    if fallback not in ("direct", "raise"):
+        raise ValueError(f"fallback must be 'direct' or 'raise', got {fallback!r}")
+    rejected = []
+    for cand in candidates:
+        ok, why = cand.verdict(min_retention)
+        if ok:
+            return GateDecision(cand.path, cand, why, tuple(rejected))
+        rejected.append((cand.path, why))
+    if fallback == "raise":
+        raise GateError("no cached path meets the quality gate: " + "; ".join(w for _, w in rejected)
+                        + ". Pass fallback='direct' to prefill the retrieved text, or min_retention=0 "
+                        "to serve a cached path anyway.")
+    why = "no cached path meets the gate (" + "; ".join(w for _, w in rejected) + "): prefilling the text"
+    return GateDecision("direct", PathFidelity("direct"), why, tuple(rejected))
+
+
+# ------------------------------------------------------------------- records
+
+
+def native_lookup_path() -> Path:
+    import mappers
+
+    return Path(mappers.__file__).resolve().parent / "pretrained" / NATIVE_LOOKUP_FILE
+
+
+def native_fidelity(model_id: str, model_name: str = "") -> PathFidelity:
+    """The native path's record for a model (by fingerprint id), or an unmeasured one."""
+    path = native_lookup_path()
+    record = None
+    if path.is_file():
+        data = json.loads(path.read_text())
+        record = (data.get("models") or {}).get(model_id)
+    return PathFidelity.from_record("native", record, recorded_in=f"{path.name}[{model_name or model_id}]")
+
+
+def translated_fidelity(card: dict[str, Any], folder: str | Path) -> PathFidelity:
+    """A translated path's record from its mapper card (``fidelity.lookup``)."""
+    record = (card.get("fidelity") or {}).get("lookup")
+    return PathFidelity.from_record("translated", record, recorded_in=str(Path(folder).name),
+                                    method=str(card.get("method", "")))

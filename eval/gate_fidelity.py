@@ -1,0 +1,119 @@
+"""Measure each serving path's lookup fidelity on calibration items and record it for the gate.
+
+    python eval/gate_fidelity.py --sources smollm2-135m qwen2.5-0.5b gemma3-270m --n 40
+
+For every source model, one resumable `cag eval` run (`eval.run.run_eval`) over
+`calib-lookup` items (calibration-side, `eval/calibration_lookup.py`) answers each
+question under every condition: no context, direct context, the target's own
+chunk caches (the native path) and the store's chunks through ``auto``'s mapper
+(the translated path). From those runs it writes what `cag.gate` reads:
+
+- ``mappers/pretrained/native_lookup.json``: per model (fingerprint id), the native
+  path's found-rate, direct context's and no context's on the same items, and the
+  retention found(native) / found(direct);
+- ``fidelity.lookup`` in the card of the mapper ``auto`` picks for each pair.
+
+Never point this at an evaluation set: the gate would then be tuned on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cag.gate import native_lookup_path  # noqa: E402
+from cag.mapping import MapperNotFoundError, available_mappers, resolve_mapper  # noqa: E402
+from cag.models import registry  # noqa: E402
+from eval.calibration_lookup import DATASET, calibration_lookup  # noqa: E402
+from eval.run import RESULTS, run_eval  # noqa: E402
+from mappers.base import Mapper, write_card  # noqa: E402
+
+MODELS = ("smollm2-135m", "qwen2.5-0.5b", "gemma3-270m")
+
+
+def path_record(rows: list[dict], condition: str, items: str) -> dict:
+    """Found-rate and F1 of `condition` against direct and no context, on the same rows."""
+    paired = [r["results"] for r in rows if condition in r["results"]]
+    n = len(paired)
+    mean = lambda cond, key: sum(p[cond][key] for p in paired) / n  # noqa: E731
+    found, direct = mean(condition, "found"), mean("direct", "found")
+    f1, direct_f1 = mean(condition, "f1"), mean("direct", "f1")
+    return {"n": n, "items": items, "found_rate": round(found, 4), "direct_found_rate": round(direct, 4),
+            "no_context_found_rate": round(mean("no_context", "found"), 4),
+            "found_retention": round(found / direct, 4) if direct else 0.0,
+            "f1": round(f1, 4), "direct_f1": round(direct_f1, 4),
+            "f1_retention": round(f1 / direct_f1, 4) if direct_f1 else 0.0,
+            "measured": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv])}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sources", nargs="+", default=list(MODELS))
+    ap.add_argument("--n", type=int, default=40, help="calibration questions per run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "gate")
+    ap.add_argument("--no-write", action="store_true", help="measure only; leave cards and files alone")
+    args = ap.parse_args(argv)
+    items = calibration_lookup(seed=args.seed)[: args.n]
+    items_name = f"{DATASET} seed {args.seed}, first {len(items)}"
+    native_path = native_lookup_path()
+    native = json.loads(native_path.read_text()) if native_path.is_file() else {"models": {}}
+    cards = {str(folder): (folder, card) for folder, card in available_mappers()}
+    report = []
+    for source in args.sources:
+        targets = [t for t in MODELS if t != source] + [source]
+        out = args.out / f"source-{source}"
+        print(f"gate_fidelity: {source} → {', '.join(targets)} ({len(items)} items) in {out}", file=sys.stderr)
+        run_eval(items, out, source=source, targets=targets, methods=["auto"], max_new_tokens=args.max_new_tokens,
+                 command=" ".join(["python", *sys.argv]), progress=True)
+        rows = [json.loads(line) for line in (out / RESULTS).read_text().splitlines() if line.strip()]
+        src_fp = registry.load(source, "bfloat16").fingerprint
+        for target in targets:
+            mine = [r for r in rows if r["target"] == target]
+            lm = registry.load(target, "bfloat16")
+            if target == source or lm.fingerprint.id not in native["models"]:
+                rec = path_record(mine, "native_cache", items_name)
+                native["models"][lm.fingerprint.id] = {"name": target, **rec}
+                report.append({"source": target, "target": target, "path": "native", **rec})
+            if target == source:
+                continue
+            try:
+                mapper = resolve_mapper("auto", src_fp, lm)
+            except MapperNotFoundError:
+                continue
+            cond = f"cache:{mapper.method}"
+            rec = {"method": mapper.method, **path_record(mine, cond, items_name)}
+            report.append({"source": source, "target": target, "path": "translated", **rec})
+            for folder, card in cards.values():
+                if (card["source"].get("name"), card["target"].get("name"), card.get("method")) == \
+                        (source, target, mapper.method) and not args.no_write:
+                    card = Mapper.read_card(folder)
+                    card.setdefault("fidelity", {})["lookup"] = rec
+                    write_card(folder, card)
+    if not args.no_write:
+        native_path.write_text(json.dumps(native, indent=2, sort_keys=True) + "\n")
+    (args.out / "gate.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = ["# Lookup fidelity of each serving path (what the quality gate reads)", "",
+             f"`{' '.join(['python', *sys.argv])}`, {time.strftime('%Y-%m-%d')}, calibration items only "
+             f"({items_name}); found-rate = gold answer appears in the generated answer.", "",
+             "| source | target | path | n | found | direct found | no-context found | found retention | F1 retention |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report:
+        path = r["path"] + (f" ({r['method']})" if r.get("method") else "")
+        lines.append(f"| {r['source']} | {r['target']} | {path} | {r['n']} | {r['found_rate']:.2f} | "
+                     f"{r['direct_found_rate']:.2f} | {r['no_context_found_rate']:.2f} | "
+                     f"{r['found_retention']:.2f} | {r['f1_retention']:.2f} |")
+    (args.out / "gate.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

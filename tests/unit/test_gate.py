@@ -1,0 +1,60 @@
+"""The quality gate (#13): each path is chosen in turn as fidelities move around it; nothing
+below the gate is served without the caller's explicit consent."""
+
+import json
+
+import pytest
+
+from cag import gate
+from cag.gate import GateError, PathFidelity, choose_path
+
+
+def fid(path, found, direct=0.8, none=0.1, n=40):
+    return PathFidelity(path, found_retention=found / direct, found_rate=found, direct_found_rate=direct,
+                        no_context_found_rate=none, n=n, items="calib")
+
+
+def test_each_path_is_picked_in_turn():
+    native, translated = fid("native", 0.7), fid("translated", 0.5)
+    assert choose_path([native], 0.6, "direct").path == "native"            # 0.875 ≥ 0.6
+    assert choose_path([translated], 0.6, "direct").path == "translated"    # 0.625 ≥ 0.6
+    assert choose_path([translated], 0.7, "direct").path == "direct"        # 0.625 < 0.7
+    assert choose_path([fid("translated", 0.3), native], 0.6, "direct").path == "native"  # fastest that passes
+
+
+def test_a_path_no_better_than_no_context_never_passes_by_default():
+    useless = fid("translated", 0.1, none=0.1)  # found as often as with no context
+    decision = choose_path([useless], gate.DEFAULT_MIN_RETENTION, "direct")
+    assert decision.path == "direct" and "no more answers than no context" in decision.reason
+    # Even with a retention the gate would accept, it must beat no context.
+    assert choose_path([fid("translated", 0.1, direct=0.12, none=0.05)], 0.5, "direct").path == "translated"
+    assert choose_path([fid("translated", 0.1, direct=0.12, none=0.12)], 0.5, "direct").path == "direct"
+
+
+def test_unmeasured_is_not_good():
+    decision = choose_path([PathFidelity("native")], 0.1, "direct")
+    assert decision.path == "direct" and "no measured lookup fidelity" in decision.reason
+
+
+def test_below_the_gate_only_with_consent_or_raise():
+    useless = fid("translated", 0.0)
+    with pytest.raises(GateError, match="min_retention=0"):
+        choose_path([useless], 0.6, "raise")
+    consented = choose_path([useless], 0.0, "raise")
+    assert consented.path == "translated" and "gate off" in consented.reason
+    with pytest.raises(ValueError):
+        choose_path([useless], 0.6, "serve-anyway")
+
+
+def test_records_are_read_from_cards_and_the_native_file(tmp_path, monkeypatch):
+    card = {"method": "ridge", "fidelity": {"lookup": {"found_retention": 0.5, "found_rate": 0.4,
+                                                       "no_context_found_rate": 0.1, "n": 30}}}
+    t = gate.translated_fidelity(card, tmp_path / "a__b__ridge")
+    assert t.measured and t.method == "ridge" and t.recorded_in == "a__b__ridge"
+    assert not gate.translated_fidelity({"method": "ridge"}, "x").measured
+    native_file = tmp_path / "native_lookup.json"
+    native_file.write_text(json.dumps({"models": {"abc": {"found_retention": 0.9, "found_rate": 0.7,
+                                                           "no_context_found_rate": 0.1, "n": 30}}}))
+    monkeypatch.setattr(gate, "native_lookup_path", lambda: native_file)
+    assert gate.native_fidelity("abc").verdict(0.6)[0]
+    assert not gate.native_fidelity("other").measured

@@ -1,0 +1,98 @@
+"""Choosing the crux outside the target (#9): first-k, source-guided and retriever-guided recompute."""
+
+import torch
+
+from cag import selection
+from cag.assembler import Assembler, first_k_positions
+from cag.kv import KVChunk, ModelFingerprint, text_sha256
+from cag.prompt import layout_for
+
+DOC = ("The tower has four floors. Zorblat keeps 417 maps in the tower. "
+       "The stairs were rebuilt in spring. Visitors leave by the east door.")
+
+
+def test_first_k_picks_exactly_k_per_chunk():
+    got = first_k_positions([10, 3, 7], n_prefix=5, k=4)
+    assert got.tolist() == [5, 6, 7, 8, 15, 16, 17, 18, 19, 20, 21]  # the 3-token chunk gives all it has
+
+
+def test_first_k_through_place(tiny):
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    chunks = [tiny.prefill(DOC), tiny.prefill("Another chunk of text here.")]
+    placed = asm.place(chunks, recompute_select="first_k", first_k=3)
+    assert placed.recomputed_tokens == 6
+
+
+def test_sentence_spans_cover_sentences():
+    spans = selection.sentence_spans(DOC)
+    assert [DOC[s:e] for s, e in spans][1] == "Zorblat keeps 417 maps in the tower."
+    assert len(spans) == 4
+
+
+class FakeAssembler:
+    """An assembler whose question attention is constructed: the neutral question has a
+    positional bias toward the last tokens, the real question adds mass on the planted span."""
+
+    def __init__(self, chunk, planted):
+        self.chunk, self.planted = chunk, planted
+        self.prefix_ids = torch.tensor([1, 2])
+
+    def question_ids(self, q):
+        return torch.tensor([0 if q == selection.NEUTRAL_QUESTION else 1])
+
+    def context_attention(self, chunks, q_ids):
+        n = sum(c.num_tokens for c in chunks)
+        mass = torch.zeros(2 + n)
+        mass[2:] = torch.linspace(0.0, 1.0, n)  # recency bias, shared by every question
+        if q_ids.item() == 1:
+            mass[2 + self.planted] += 0.3
+        return mass
+
+
+def fake_chunk(text):
+    words = [(m.start(), m.end()) for m in __import__("re").finditer(r"\S+", text)]
+    n = len(words)
+    return KVChunk(torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2), torch.arange(n),
+                   torch.tensor(words), text_sha256(text), ModelFingerprint("llama", "c", "t", "w", 1, 1, 2), {})
+
+
+def test_source_selector_picks_the_planted_span_not_the_nearest():
+    chunk = fake_chunk(DOC)
+    second = selection.sentence_spans(DOC)[1]
+    planted = torch.tensor([j for j, (s, e) in enumerate(chunk.offsets.tolist()) if s >= second[0] and e <= second[1]])
+    fake = FakeAssembler(chunk, planted)
+    spans = selection.source_guided_spans(fake, [chunk], [chunk], [DOC], "How many maps?", budget_tokens=7)
+    assert spans == [[second]]
+    # Raw mass (no contrast) would have taken the last sentence, nearest the question.
+    raw = fake.context_attention([chunk], torch.tensor([1]))[2:]
+    last = selection.sentence_spans(DOC)[-1]
+    assert raw[-1] > raw[planted].max() and spans[0][0] != last
+
+
+def test_budget_is_respected_and_positions_are_placed():
+    chunk = fake_chunk(DOC)
+    spans = [selection.sentence_spans(DOC)[:2]]
+    pos = selection.spans_to_positions([chunk, chunk], [spans[0], []], n_prefix=3)
+    assert pos.min() >= 3 and pos.max() < 3 + chunk.num_tokens
+    assert len(pos) == sum(1 for s, e in chunk.offsets.tolist() if e <= spans[0][1][1])
+
+
+def test_retriever_spans_pick_the_most_similar_sentence():
+    def embed(texts):  # bag of letters: the sentence sharing the question's words wins
+        return torch.stack([torch.bincount(torch.tensor([ord(c) % 64 for c in t.lower()]), minlength=64).float()
+                            for t in texts])
+    chunk = fake_chunk(DOC)
+    spans = selection.retriever_spans(embed, [chunk], [DOC], "Zorblat keeps 417 maps in the tower?", 7)
+    assert spans[0] == [selection.sentence_spans(DOC)[1]]
+
+
+def test_source_guided_end_to_end_on_a_tiny_model(tiny):
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    chunks = [tiny.prefill(DOC), tiny.prefill("Another chunk of text here. It says little.")]
+    texts = [DOC, "Another chunk of text here. It says little."]
+    budget = 8
+    spans = selection.source_guided_spans(asm, chunks, chunks, texts, "How many maps?", budget)
+    pos = selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
+    assert 0 < pos.numel() <= budget
+    placed = asm.place(chunks, recompute_select="source", positions=pos)
+    assert placed.recomputed_tokens == pos.numel()
