@@ -88,6 +88,20 @@ class Prepared:
     question_ids: Any  # torch.Tensor
     answer: "Answer"  # sources, timings so far, warnings; text still empty
     started: float  # perf_counter at the start of the query
+    context_span: tuple[int, int] | None = None  # [first, end) positions of the placed chunks (after the head)
+
+
+def _within(make_manager, steps):
+    """Run each step of a generator inside a fresh ``make_manager()``, released between steps:
+    a consumer that pauses a stream must not leave a shared model's attention patched."""
+    iterator = iter(steps)
+    while True:
+        with make_manager():
+            try:
+                step = next(iterator)
+            except StopIteration:
+                return
+        yield step
 
 
 class _TranslatedLRU:
@@ -138,6 +152,10 @@ class CachedContext(BaseModel):
         "source model's contrastive question attention points, over its own chunks: for translated caches), "
         "'retriever' (sentences closest to the question by embedding). See cag.selection.")
     recompute_first_k: int = Field(16, ge=0, description="Tokens per chunk for recompute_select='first_k'.")
+    context_temperature: float = Field(1.0, gt=0.0, description="APE: the question's attention logits over "
+                                       "the placed context are divided by T (full-attention layers).")
+    context_scale: float = Field(1.0, gt=0.0, description="APE: the context's attention weight is scaled by S "
+                                 "(log S added to its logits).")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -339,7 +357,7 @@ class CachedContext(BaseModel):
         answer = Answer("", used, timings, context_tokens=placed.context_ids.numel() - placed.prefix_tokens,
                         recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method,
                         path="native" if mapper.method == "identity" else "translated")
-        return Prepared(placed.cache, question_ids, answer, t0)
+        return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()))
 
     def stream(self, question: str, hits: list[Any] | None = None, *,
                max_new_tokens: int | None = None) -> Generator[str, None, Answer]:
@@ -349,6 +367,7 @@ class CachedContext(BaseModel):
         the end, or close it, before the next query in another thread can start.
         """
         from cag.generate import stream_tokens, stop_token_ids
+        from cag.models.attention import context_temperature
 
         decision = self.decision
         if decision.path == "direct":
@@ -362,8 +381,11 @@ class CachedContext(BaseModel):
             self._gate_answer(answer, decision, lm)
             self._last_answer = answer
             decode_started = None
-            for step in stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
-                                      max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer)):
+            def ape():
+                return context_temperature(lm.model, *prepared.context_span, temperature=self.context_temperature,
+                                           scale=self.context_scale)
+            for step in _within(ape, stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
+                                                   max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer))):
                 if decode_started is None and step.token_id is not None:
                     decode_started = time.perf_counter()
                     timings.question_prefill = step.seconds

@@ -125,6 +125,7 @@ class _Run:
     context_tokens: int
     setup_s: float  # the part of TTFT spent before the question is prefilled
     warnings: list[str]
+    context_span: tuple[int, int] | None = None  # placed context block, for APE's temperature and scale
 
 
 class ItemRunner:
@@ -168,10 +169,16 @@ class ItemRunner:
         chunks = [lm.prefill(h.text) for h in hits]
         started = time.perf_counter()
         question_ids = asm.question_ids(item.question)
-        placed = asm.place(chunks, recompute_ratio=self.base.recompute_ratio,
-                           recompute_select=self.base.recompute_select, question_ids=question_ids)
+        base = self.base
+        positions = None
+        if base.recompute_select in ("source", "retriever") and base.recompute_ratio > 0 and chunks:
+            # Chosen as a query would: the store's source model (or the retriever) over the same hits.
+            positions = base._guided_positions(item.question, chunks, hits, asm)
+        placed = asm.place(chunks, recompute_ratio=base.recompute_ratio, recompute_select=base.recompute_select,
+                           question_ids=question_ids, first_k=base.recompute_first_k, positions=positions)
         return _Run(placed.cache, question_ids,
-                    placed.context_ids.numel() - placed.prefix_tokens, time.perf_counter() - started, [])
+                    placed.context_ids.numel() - placed.prefix_tokens, time.perf_counter() - started, [],
+                    (placed.prefix_tokens, placed.context_ids.numel()))
 
     def _cached_run(self, ctx: CachedContext, item, hits) -> _Run:
         import warnings
@@ -182,7 +189,7 @@ class ItemRunner:
         t = prepared.answer.timings
         setup = t.load + t.translate + t.assemble + t.recompute
         return _Run(prepared.cache, prepared.question_ids, prepared.answer.context_tokens, setup,
-                    list(prepared.answer.warnings))
+                    list(prepared.answer.warnings), prepared.context_span)
 
     # ----------------------------------------------------------- measurement
 
@@ -198,6 +205,18 @@ class ItemRunner:
         logits = last_logits(self.lm.model, ids[None], copy.deepcopy(run.cache), positions=gold.numel())
         return torch.log_softmax(logits.float(), -1)
 
+    def _ape(self, run: _Run):
+        """APE's context temperature and scale over a cached condition's context (identity at 1, 1)."""
+        from contextlib import nullcontext
+
+        from cag.models.attention import context_temperature
+
+        base = self.base
+        if run.context_span is None or (base.context_temperature, base.context_scale) == (1.0, 1.0):
+            return nullcontext()
+        return context_temperature(self.lm.model, *run.context_span, temperature=base.context_temperature,
+                                   scale=base.context_scale)
+
     def run(self, item) -> dict[str, ConditionResult]:
         """Every condition for `item`, on the same chunks."""
         self.lm  # load before timing anything
@@ -210,12 +229,16 @@ class ItemRunner:
         for method, ctx in self.contexts.items():
             runs[f"cache:{method}"] = self._cached_run(ctx, item, hits)
         gold = self.gold_ids(item.answers[0])
-        log_probs = {name: self._teacher_forced(run, gold) for name, run in runs.items()}
+        log_probs = {}
+        for name, run in runs.items():
+            with self._ape(run):
+                log_probs[name] = self._teacher_forced(run, gold)
         stops = stop_token_ids(self.lm.tokenizer)
         results = {}
         for name, run in runs.items():
-            gen = generate(self.lm.model, self.lm.tokenizer, run.cache, run.question_ids,
-                           max_new_tokens=self.max_new_tokens, stop_ids=stops)
+            with self._ape(run):
+                gen = generate(self.lm.model, self.lm.tokenizer, run.cache, run.question_ids,
+                               max_new_tokens=self.max_new_tokens, stop_ids=stops)
             is_direct = name == DIRECT
             results[name] = ConditionResult(
                 condition=name, answer=gen.text.strip(),

@@ -72,3 +72,70 @@ def attend(q, k, v, scaling, window, q_pos, k_pos) -> torch.Tensor:
     if hq != hk:
         v = v.repeat_interleave(hq // hk, dim=0)
     return probs @ v.float()
+
+
+@contextmanager
+def context_temperature(model, start: int, end: int, temperature: float = 1.0, scale: float = 1.0):
+    """APE's query-time adjustment of attention over a placed context block, during a forward.
+
+    For every attention layer whose keys still hold the whole context (full-attention
+    layers; a sliding layer only sees its window, so it is left as it is), the scores
+    of keys at positions ``start..end-1`` become ``q·k / (√d·T) + log S``: the
+    temperature ``T`` sharpens (T < 1) or flattens the attention *within* the
+    context, and the scale ``S`` draws more (S > 1) or less attention to the context
+    as a whole. Chunks prefilled apart overlap in what they hold, so together they
+    draw too much, too flat attention (APE, ICLR 2025: T = S = 0.9 there).
+
+    Implemented by wrapping the model's registered attention function (the model
+    code is not forked): the context's keys are divided by ``T`` and ``log S`` is
+    added to the mask. ``T = S = 1`` is exactly the model's own attention.
+    """
+    import math
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if temperature <= 0 or scale <= 0:
+        raise ValueError(f"temperature and scale must be > 0, got {temperature}, {scale}")
+    if temperature == 1.0 and scale == 1.0:
+        yield
+        return
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl in (None, "eager") or impl not in ALL_ATTENTION_FUNCTIONS:
+        raise RuntimeError(f"context temperature needs a registered attention function, not {impl!r}")
+    original = ALL_ATTENTION_FUNCTIONS[impl]
+    had_local = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
+    log_s = math.log(scale)
+
+    def wrapper(module, query, key, value, attention_mask, **kwargs):
+        kv_len, q_len = key.shape[2], query.shape[2]
+        if kwargs.get("sliding_window") or kv_len < end:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        key = key.clone()
+        key[:, :, start:end] = key[:, :, start:end] / temperature
+        if attention_mask is None:  # the causal pattern sdpa would have used, as an additive mask
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+            allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
+        elif attention_mask.dtype == torch.bool:
+            allowed = attention_mask
+        else:
+            allowed = None
+        if allowed is not None:
+            mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
+        else:
+            mask = attention_mask.clone()
+        mask = mask.expand(*mask.shape[:-2], q_len, kv_len) if mask.dim() >= 2 else mask
+        while mask.dim() < 4:
+            mask = mask[None]
+        mask = mask.clone()
+        mask[..., start:end] += log_s
+        return original(module, query, key, value, mask, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[impl] = wrapper
+    try:
+        yield
+    finally:
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS[impl] = original
+        else:
+            del ALL_ATTENTION_FUNCTIONS[impl]
