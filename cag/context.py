@@ -40,6 +40,10 @@ class EmptyStoreError(LookupError):
     """The store has no published version, or no documents."""
 
 
+class ChunkWriteError(RuntimeError):
+    """A missing chunk cannot be prefilled the way the store's build made its chunks."""
+
+
 @dataclass
 class Timings:
     """Seconds per step of one query; `first_token` is the time to first token (TTFT)."""
@@ -89,6 +93,17 @@ class Prepared:
     answer: "Answer"  # sources, timings so far, warnings; text still empty
     started: float  # perf_counter at the start of the query
     context_span: tuple[int, int] | None = None  # [first, end) positions of the placed chunks (after the head)
+
+
+@dataclass
+class ChunkLookup:
+    """What `CachedContext.ensure_chunks` found for a list of texts (in their order)."""
+
+    keys: list[str | None]  # each text's content address; None: it has no chunk (see notes)
+    found: int = 0  # texts whose chunk was already in the chunk store
+    prefilled: int = 0  # texts prefilled by the source model and stored now (write-through)
+    prefill_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
 
 def _within(make_manager, steps):
@@ -161,7 +176,8 @@ class CachedContext(BaseModel):
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
                                            "(default: what the target's window leaves).")
     system_prompt: str | None = None
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="Compute dtype of the target: "
+                                                          "'auto' is bf16 where the CPU has native bf16, else fp32.")
     translation_cache_mb: float = Field(512.0, ge=0.0, description="LRU of translated chunks per target.")
     min_retention: float = Field(DEFAULT_MIN_RETENTION, ge=0.0, le=1.0, description="Quality gate: the "
                                  "least share of direct context's found-rate (measured on calibration lookup "
@@ -181,6 +197,7 @@ class CachedContext(BaseModel):
     _decision: Any = PrivateAttr(None)  # (source fingerprint id, GateDecision)
     _source_asm: Any = PrivateAttr(None)  # the store's source model's Assembler, for source-guided recompute
     _setup_lock: Any = PrivateAttr(default_factory=threading.RLock)
+    _write_lock: Any = PrivateAttr(default_factory=threading.Lock)  # ensure_chunks: one miss prefilled once
     _last_answer: Answer | None = PrivateAttr(None)
 
     @property
@@ -492,6 +509,83 @@ class CachedContext(BaseModel):
         rows = sorted((r for r in index.rows if r.doc_id in wanted),
                       key=lambda r: (doc_ids.index(r.doc_id), r.start))
         return [Hit(r.key, 1.0, r.doc_id, r.text, r.start, r.end) for r in rows]
+
+    def ensure_chunks(self, texts: list[str]) -> ChunkLookup:
+        """Find each text's chunk by content address; prefill and store the missing ones.
+
+        For chunks another pipeline split (e.g. a LlamaIndex retriever's nodes): the
+        key is `stores.base.chunk_key` over the store's source model, its chunker
+        settings (``manifest.chunker``) and the text, the address a build gives the
+        same text, so a text the build stored is found whoever split it. A miss is
+        prefilled by the store's source model after the build's prefix and put into
+        the chunk store (write-through), so the next query finds it. Misses are
+        prefilled once even when threads race (one lock), and the model's forwards
+        take its model lock. Under the gate's direct fallback nothing is prefilled:
+        that target reads the text itself, and a source model would load for nothing.
+        Raises `ChunkWriteError` when the store's chunks cannot be reproduced here.
+        Write-through chunks are in no manifest: a later build's gc removes them.
+        """
+        from stores.base import chunk_key
+
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise TypeError("ensure_chunks takes a list of texts (str)")
+        manifest, _ = self._current_view()
+        self._ready_target()  # the chunk store
+        fp, settings = manifest.source_fingerprint, dict(manifest.chunker)
+        keys: list[str | None] = [chunk_key(fp, settings, t) for t in texts]
+        lookup = ChunkLookup(keys)
+        if not texts:
+            return lookup
+        direct = self.decision.path == "direct"
+        with self._write_lock:
+            stored = {k: self._chunks.contains(k) for k in set(keys)}
+            lookup.found = sum(stored[k] for k in keys)
+            todo = list(dict.fromkeys(t for t, k in zip(texts, keys) if not stored[k]))  # each once
+            if not todo:
+                return lookup
+            if direct:
+                lookup.notes.append(f"{len(todo)} chunk(s) not in the store were not prefilled: "
+                                    "the gate serves direct context for this target")
+                return lookup
+            t0 = time.perf_counter()
+            lm, lock = self._write_source(manifest)
+            empty = {t for t in todo if lm.tokenize(t)[0].numel() == 0}
+            todo = [t for t in todo if t not in empty]
+            with lock:
+                for i in range(0, len(todo), 4):  # batches as the build's default
+                    batch = todo[i:i + 4]
+                    for text, chunk in zip(batch, lm.prefill_batch(batch, settings=settings)):
+                        self._chunks.put(chunk_key(fp, settings, text), chunk.to_bytes(settings["dtype"]))
+            lookup.prefilled = len(todo)
+            lookup.prefill_s = time.perf_counter() - t0
+        if empty:
+            lookup.keys = [None if t in empty else k for t, k in zip(texts, keys)]
+            lookup.notes.append(f"{sum(t in empty for t in texts)} text(s) have no tokens and no chunk")
+        return lookup
+
+    def _write_source(self, manifest):
+        """The store's source model, prefilling after the build's prefix, and the lock its forwards take."""
+        lm, asm = self._ready_target()
+        fp, prefix = manifest.source_fingerprint, manifest.chunker.get("prefill_prefix", "bos")
+        if prefix not in ("head", "bos"):
+            raise ChunkWriteError(f"this store's chunks were prefilled after a {prefix!r} prefix, "
+                                  "which cannot be reproduced for new chunks")
+        if "dtype" not in manifest.chunker:
+            raise ChunkWriteError("this store's manifest does not say which dtype its chunks are stored in")
+        if fp.id != lm.fingerprint.id:
+            try:
+                asm = self._source_assembler()
+            except (ValueError, OSError, registry.ModelError) as exc:
+                raise ChunkWriteError(f"cannot load the store's source model {fp.describe()} to prefill "
+                                      f"new chunks: {exc}") from exc
+            lm = asm.target
+        if lm.prefill_prefix != prefix:
+            lm = lm.with_prefill_prefix(prefix)
+        want = manifest.chunker.get("sink_ids")
+        if want is not None and list(want) != list(lm.sink_ids):
+            raise ChunkWriteError(f"this store's chunks were prefilled after tokens {want}; "
+                                  f"{lm.name} gives {list(lm.sink_ids)} for {prefix!r}")
+        return lm, asm.model_lock
 
     def _order(self, hits: list[Any]) -> list[Any]:
         if self.chunk_order == "document":

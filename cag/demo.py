@@ -82,7 +82,7 @@ def run_demo(*, store: Path, corpus: Path = DEFAULT_CORPUS, questions: Path = DE
     qs = load_questions(questions)
     log(f"cag demo: nightly build of {corpus} with {source} → {store}")
     t = time.perf_counter()
-    summary = build_store(corpus, store, registry.load(source, "bfloat16"))
+    summary = build_store(corpus, store, registry.load(source, "auto"))
     build = {"documents": summary.documents, "chunks": summary.chunks, "prefilled": summary.chunks_prefilled,
              "reused": summary.chunks_reused, "seconds": round(time.perf_counter() - t, 2)}
     log(f"cag demo: {summary.documents} documents, {summary.chunks} chunks, "

@@ -74,10 +74,10 @@ def main(argv=None) -> int:
         run_eval(items, out, source=source, targets=targets, methods=["auto"], max_new_tokens=args.max_new_tokens,
                  command=" ".join(["python", *sys.argv]), progress=True)
         rows = [json.loads(line) for line in (out / RESULTS).read_text().splitlines() if line.strip()]
-        src_fp = registry.load(source, "bfloat16").fingerprint
+        src_fp = registry.load(source, "auto").fingerprint
         for target in targets:
             mine = [r for r in rows if r["target"] == target]
-            lm = registry.load(target, "bfloat16")
+            lm = registry.load(target, "auto")
             if target == source or lm.fingerprint.id not in native["models"]:
                 rec = path_record(mine, "native_cache", items_name)
                 native["models"][lm.fingerprint.id] = {"name": target, **rec}

@@ -15,9 +15,11 @@ concurrent installers, in this process or another one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -37,7 +39,7 @@ if TYPE_CHECKING:  # heavy imports stay out of `import cag.models`
 MARKER = "cag_model.json"
 _CHUNK = 8 << 20  # bytes per read while streaming GGUF parts
 
-Dtype = Literal["float32", "bfloat16"]
+Dtype = Literal["auto", "float32", "bfloat16"]
 
 
 # --------------------------------------------------------------------------- errors
@@ -545,8 +547,28 @@ def _key_lock(key: tuple[str, str]) -> threading.Lock:
         return _key_locks.setdefault(key, threading.Lock())
 
 
+@functools.lru_cache(maxsize=1)
+def compute_dtype() -> str:
+    """The dtype models run fastest in on this host: bf16 where the CPU has native bf16
+    arithmetic (AVX-512 BF16 or AMX), fp32 elsewhere.
+
+    Without those instructions torch emulates bf16 matmuls: measured on a 2-core AMD
+    EPYC with AVX2 only, SmolLM2 prefilled 256 tokens in 12.3 s in bf16 against 2.4 s
+    in fp32 (one thread). Chunks are *stored* in their own dtype either way (bf16 by
+    default); this is only what the forward runs in. ``CAG_DTYPE`` overrides it.
+    """
+    forced = os.environ.get("CAG_DTYPE")
+    if forced:
+        return forced
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) else "float32"
+
+
 def load(
-    name_or_path: str | os.PathLike[str], dtype: Dtype = "float32", *, selfcheck: bool = True
+    name_or_path: str | os.PathLike[str], dtype: Dtype = "auto", *, selfcheck: bool = True
 ) -> LoadedModel:
     """Load a model once per process per (resolved path, dtype); thread-safe.
 
@@ -558,8 +580,10 @@ def load(
     just run the check themselves, or ``cag models verify``, which runs it
     explicitly to report its figures.
     """
+    if dtype == "auto":
+        dtype = compute_dtype()
     if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
+        raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', not {dtype!r}")
     target = resolve(name_or_path)
     key = (str(target), dtype)
     with _key_lock(key):
