@@ -278,10 +278,17 @@ class CachedContext(BaseModel):
             if mapper is None:
                 candidates = []
             elif mapper.method == "identity":
-                candidates = [native_fidelity(lm.fingerprint.id, lm.name)]
+                candidates = [native_fidelity(lm.fingerprint.id, lm.name),
+                              native_fidelity(lm.fingerprint.id, lm.name, repair=True)]
             else:
-                candidates = [translated_fidelity({"method": mapper.method, "fidelity": mapper.fidelity},
-                                                  getattr(mapper, "artifact_id", mapper.method))]
+                card = {"method": mapper.method, "fidelity": mapper.fidelity}
+                name = getattr(mapper, "artifact_id", mapper.method)
+                candidates = [translated_fidelity(card, name), translated_fidelity(card, name, repair=True)]
+            if self.recompute_ratio > 0:
+                # The caller chose a recompute: the gate judges the path as configured, and a
+                # +repair record only speaks for the setting it was measured with.
+                candidates = [c for c in candidates if not c.path.endswith("+repair")
+                              or (c.repair or {}) == {"ratio": self.recompute_ratio, "select": self.recompute_select}]
             decision = choose_path(candidates, self.min_retention, self.fallback)
             if mapper is None:
                 decision = GateDecision("direct", decision.fidelity, missing + ": prefilling the text",
@@ -338,11 +345,12 @@ class CachedContext(BaseModel):
         return self._last_answer
 
     def prepare(self, question: str, hits: list[Any] | None = None, *,
-                max_new_tokens: int | None = None) -> "Prepared":
+                max_new_tokens: int | None = None, repair: dict | None = None) -> "Prepared":
         """Everything before the question is read: retrieve, load, translate, place.
 
         Returns the placed cache and the question's ids; `stream` prefills the
-        question against it and decodes. The evaluation harness uses this too,
+        question against it and decodes. `repair` (``{"ratio", "select"}``) overrides the
+        recompute settings: the gate's ``+repair`` paths pass what they were measured with. The evaluation harness uses this too,
         so every condition it measures goes through the same path as a query.
         """
         t0 = time.perf_counter()
@@ -359,21 +367,24 @@ class CachedContext(BaseModel):
         question_ids = asm.question_ids(question)
         reserve = question_ids.numel() + (max_new_tokens or self.max_new_tokens)
         chunks, used = self._fit_window(chunks, used, reserve, notes)
+        ratio, select = self.recompute_ratio, self.recompute_select
+        if repair is not None:  # the gate's +repair path: recompute as it was measured
+            ratio, select = float(repair["ratio"]), str(repair["select"])
         positions = None
-        if self.recompute_select in ("source", "retriever") and self.recompute_ratio > 0 and chunks:
+        if select in ("source", "retriever") and ratio > 0 and chunks:
             t = time.perf_counter()
-            positions = self._guided_positions(question, chunks, used, asm)
+            positions = self._guided_positions(question, chunks, used, asm, ratio=ratio, select=select)
             timings.recompute += time.perf_counter() - t
         with asm.model_lock:
-            placed = asm.place(chunks, recompute_ratio=self.recompute_ratio,
-                               recompute_select=self.recompute_select, question_ids=question_ids,
+            placed = asm.place(chunks, recompute_ratio=ratio, recompute_select=select, question_ids=question_ids,
                                first_k=self.recompute_first_k, positions=positions)
         timings.assemble, timings.recompute = placed.assemble_s, timings.recompute + placed.recompute_s
         for note in notes:
             warnings.warn(note, stacklevel=3)
+        path = "native" if mapper.method == "identity" else "translated"
         answer = Answer("", used, timings, context_tokens=placed.context_ids.numel() - placed.prefix_tokens,
                         recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method,
-                        path="native" if mapper.method == "identity" else "translated")
+                        path=path + ("+repair" if placed.recomputed_tokens else ""))
         return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()))
 
     def stream(self, question: str, hits: list[Any] | None = None, *,
@@ -393,7 +404,8 @@ class CachedContext(BaseModel):
         lm, _, asm = self._ready()
         max_new = max_new_tokens or self.max_new_tokens
         with asm.model_lock:
-            prepared = self.prepare(question, hits, max_new_tokens=max_new)
+            prepared = self.prepare(question, hits, max_new_tokens=max_new,
+                                    repair=decision.fidelity.repair if decision.path.endswith("+repair") else None)
             answer, timings, t0 = prepared.answer, prepared.answer.timings, prepared.started
             self._gate_answer(answer, decision, lm)
             self._last_answer = answer
@@ -483,13 +495,16 @@ class CachedContext(BaseModel):
                 self._source_asm = Assembler(lm, layout_for(lm.tokenizer))
             return self._source_asm
 
-    def _guided_positions(self, question: str, chunks: list[KVChunk], used: list[Any], asm):
+    def _guided_positions(self, question: str, chunks: list[KVChunk], used: list[Any], asm, *,
+                          ratio: float | None = None, select: str | None = None):
         """Context positions to recompute, chosen by the source model or the retriever (cag.selection)."""
         from cag import selection
 
-        budget = round(self.recompute_ratio * sum(c.num_tokens for c in chunks))
+        ratio = self.recompute_ratio if ratio is None else ratio
+        select = self.recompute_select if select is None else select
+        budget = round(ratio * sum(c.num_tokens for c in chunks))
         texts = [h.text for h in used]
-        if self.recompute_select == "retriever":
+        if select == "retriever":
             _, index = self._current_view()
             spans = selection.retriever_spans(index.embed, chunks, texts, question, budget)
         else:

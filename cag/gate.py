@@ -6,7 +6,10 @@ A *serving path* is how the target gets the retrieved context:
 path                   what the target does
 =====================  ==========================================================
 ``native``             places its own chunk caches (the store was built by it)
+``native+repair``      the same, then recomputes the crux (a share of the context
+                       tokens chosen by `cag.selection`, as measured)
 ``translated``         places the store's chunks translated by a mapper
+``translated+repair``  the same, then recomputes the crux the *source* model picks
 ``direct``             prefills the retrieved text itself (the reference; no speedup)
 =====================  ==========================================================
 
@@ -36,8 +39,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# Fastest first. "direct" is always last: it is the fallback, never gated.
-PATHS = ("native", "translated", "direct")
+# Fastest first within a pair (a store has one source, so a pair has either the native
+# paths or the translated ones). "direct" is always last: the fallback, never gated.
+PATHS = ("native", "native+repair", "translated", "translated+repair", "direct")
 DEFAULT_MIN_RETENTION = 0.6
 NATIVE_LOOKUP_FILE = "native_lookup.json"
 
@@ -60,18 +64,20 @@ class PathFidelity:
     items: str = ""  # which calibration items (dataset name and seed)
     recorded_in: str = ""  # the card or file the figures come from
     method: str = ""  # the mapper method of a translated path
+    repair: dict | None = None  # for a +repair path: {"ratio": r, "select": selector} it was measured with
 
     @classmethod
     def from_record(cls, path: str, record: dict[str, Any] | None, *, recorded_in: str,
                     method: str = "") -> "PathFidelity":
         if not record:
             return cls(path, recorded_in=recorded_in, method=method)
+        repair = record.get("repair") if path.endswith("+repair") else None
         def num(key):
             value = record.get(key)
             return float(value) if isinstance(value, (int, float)) else None
         return cls(path, num("found_retention"), num("f1_retention"), num("found_rate"),
                    num("direct_found_rate"), num("no_context_found_rate"), int(record.get("n") or 0),
-                   str(record.get("items", "")), recorded_in, method)
+                   str(record.get("items", "")), recorded_in, method, dict(repair) if repair else None)
 
     @property
     def measured(self) -> bool:
@@ -142,18 +148,19 @@ def native_lookup_path() -> Path:
     return Path(mappers.__file__).resolve().parent / "pretrained" / NATIVE_LOOKUP_FILE
 
 
-def native_fidelity(model_id: str, model_name: str = "") -> PathFidelity:
+def native_fidelity(model_id: str, model_name: str = "", *, repair: bool = False) -> PathFidelity:
     """The native path's record for a model (by fingerprint id), or an unmeasured one."""
     path = native_lookup_path()
     record = None
     if path.is_file():
         data = json.loads(path.read_text())
-        record = (data.get("models") or {}).get(model_id)
-    return PathFidelity.from_record("native", record, recorded_in=f"{path.name}[{model_name or model_id}]")
+        record = (data.get("repair" if repair else "models") or {}).get(model_id)
+    return PathFidelity.from_record("native+repair" if repair else "native", record,
+                                    recorded_in=f"{path.name}[{model_name or model_id}]")
 
 
-def translated_fidelity(card: dict[str, Any], folder: str | Path) -> PathFidelity:
-    """A translated path's record from its mapper card (``fidelity.lookup``)."""
-    record = (card.get("fidelity") or {}).get("lookup")
-    return PathFidelity.from_record("translated", record, recorded_in=str(Path(folder).name),
-                                    method=str(card.get("method", "")))
+def translated_fidelity(card: dict[str, Any], folder: str | Path, *, repair: bool = False) -> PathFidelity:
+    """A translated path's record from its mapper card (``fidelity.lookup``, ``fidelity.lookup_repair``)."""
+    record = (card.get("fidelity") or {}).get("lookup_repair" if repair else "lookup")
+    return PathFidelity.from_record("translated+repair" if repair else "translated", record,
+                                    recorded_in=str(Path(folder).name), method=str(card.get("method", "")))

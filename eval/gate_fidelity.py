@@ -60,6 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "gate")
     ap.add_argument("--no-write", action="store_true", help="measure only; leave cards and files alone")
+    ap.add_argument("--repair", type=float, default=0.0, help="measure the +repair paths: recompute this share "
+                    "of context tokens, chosen by --repair-select")
+    ap.add_argument("--repair-select", default="source")
     args = ap.parse_args(argv)
     items = calibration_lookup(seed=args.seed)[: args.n]
     items_name = f"{DATASET} seed {args.seed}, first {len(items)}"
@@ -70,18 +73,27 @@ def main(argv=None) -> int:
     for source in args.sources:
         targets = [t for t in MODELS if t != source] + [source]
         out = args.out / f"source-{source}"
+        store = None
+        repair = {"ratio": args.repair, "select": args.repair_select} if args.repair else None
+        if repair:  # the same store and items as the plain run, recomputing the crux
+            store, out = out / "store", args.out / f"source-{source}-repair{args.repair:g}-{args.repair_select}"
         print(f"gate_fidelity: {source} → {', '.join(targets)} ({len(items)} items) in {out}", file=sys.stderr)
-        run_eval(items, out, source=source, targets=targets, methods=["auto"], max_new_tokens=args.max_new_tokens,
-                 command=" ".join(["python", *sys.argv]), progress=True)
+        run_eval(items, out, store=store, source=source, targets=targets, methods=["auto"],
+                 max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
+                 recompute_ratio=args.repair, recompute_select=args.repair_select)
         rows = [json.loads(line) for line in (out / RESULTS).read_text().splitlines() if line.strip()]
         src_fp = registry.load(source, "auto").fingerprint
         for target in targets:
             mine = [r for r in rows if r["target"] == target]
             lm = registry.load(target, "auto")
-            if target == source or lm.fingerprint.id not in native["models"]:
+            section = "repair" if repair else "models"
+            if target == source or lm.fingerprint.id not in native.setdefault(section, {}):
                 rec = path_record(mine, "native_cache", items_name)
-                native["models"][lm.fingerprint.id] = {"name": target, **rec}
-                report.append({"source": target, "target": target, "path": "native", **rec})
+                if repair:
+                    rec["repair"] = repair
+                native[section][lm.fingerprint.id] = {"name": target, **rec}
+                report.append({"source": target, "target": target, "path": "native" + ("+repair" if repair else ""),
+                               **rec})
             if target == source:
                 continue
             try:
@@ -90,16 +102,20 @@ def main(argv=None) -> int:
                 continue
             cond = f"cache:{mapper.method}"
             rec = {"method": mapper.method, **path_record(mine, cond, items_name)}
-            report.append({"source": source, "target": target, "path": "translated", **rec})
+            if repair:
+                rec["repair"] = repair
+            report.append({"source": source, "target": target,
+                           "path": "translated" + ("+repair" if repair else ""), **rec})
             for folder, card in cards.values():
                 if (card["source"].get("name"), card["target"].get("name"), card.get("method")) == \
                         (source, target, mapper.method) and not args.no_write:
                     card = Mapper.read_card(folder)
-                    card.setdefault("fidelity", {})["lookup"] = rec
+                    card.setdefault("fidelity", {})["lookup_repair" if repair else "lookup"] = rec
                     write_card(folder, card)
     if not args.no_write:
         native_path.write_text(json.dumps(native, indent=2, sort_keys=True) + "\n")
-    (args.out / "gate.json").write_text(json.dumps(report, indent=2) + "\n")
+    name = f"gate-repair{args.repair:g}-{args.repair_select}" if args.repair else "gate"
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# Lookup fidelity of each serving path (what the quality gate reads)", "",
              f"`{' '.join(['python', *sys.argv])}`, {time.strftime('%Y-%m-%d')}, calibration items only "
              f"({items_name}); found-rate = gold answer appears in the generated answer.", "",
@@ -110,7 +126,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['source']} | {r['target']} | {path} | {r['n']} | {r['found_rate']:.2f} | "
                      f"{r['direct_found_rate']:.2f} | {r['no_context_found_rate']:.2f} | "
                      f"{r['found_retention']:.2f} | {r['f1_retention']:.2f} |")
-    (args.out / "gate.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

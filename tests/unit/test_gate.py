@@ -58,3 +58,16 @@ def test_records_are_read_from_cards_and_the_native_file(tmp_path, monkeypatch):
     monkeypatch.setattr(gate, "native_lookup_path", lambda: native_file)
     assert gate.native_fidelity("abc").verdict(0.6)[0]
     assert not gate.native_fidelity("other").measured
+
+
+def test_repair_path_is_next_and_carries_its_setting():
+    plain = fid("translated", 0.1, none=0.1)
+    repaired = PathFidelity("translated+repair", found_retention=0.8, found_rate=0.64, direct_found_rate=0.8,
+                            no_context_found_rate=0.1, n=40, repair={"ratio": 0.2, "select": "source"})
+    decision = choose_path([plain, repaired], 0.6, "direct")
+    assert decision.path == "translated+repair" and decision.fidelity.repair == {"ratio": 0.2, "select": "source"}
+    assert [p for p, _ in decision.rejected] == ["translated"]
+    record = {"found_retention": 0.8, "found_rate": 0.6, "no_context_found_rate": 0.1, "n": 9,
+              "repair": {"ratio": 0.2, "select": "source"}}
+    card = {"method": "heterofold", "fidelity": {"lookup_repair": record}}
+    assert gate.translated_fidelity(card, "x", repair=True).repair == {"ratio": 0.2, "select": "source"}
