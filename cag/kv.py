@@ -15,6 +15,39 @@ The frame lets a reader tell a truncated entry from a corrupted one before it
 parses anything, and safetensors guarantees that decoding never executes code
 (nothing is ever unpickled). Every decode validates the metadata, the dtypes and
 the shapes, and, when the caller says which model it expects, the fingerprint.
+
+Storage formats (the metadata's ``dtype``):
+
+- ``bfloat16``, ``float16``, ``float32``: K/V stored as they are.
+- ``int8`` and ``float8_e4m3fn``: 8-bit codes plus fp32 scales, in KIVI's layout
+  (Liu et al. 2024). Keys are quantised *per channel*: one ``key_scale`` and one
+  ``key_zero`` per (layer, kv-head, head-dim channel) over the chunk's tokens,
+  because de-rotated keys have a few channels many times larger than the rest
+  (up to 9x the median channel on SmolLM2-135M) and offset from zero; one scale
+  per token would let those channels flatten every other channel of the token
+  (4x the error on SmolLM2: eval/results/chunk_formats.md). Values have no such
+  channels, so they are quantised *per token*: one ``value_scale`` per (layer,
+  kv-head, token).
+
+  Keys are affine (``k = code * key_scale + key_zero``, the zero the channel's
+  mid-range), values symmetric (``v = code * value_scale``). A key channel is
+  often offset (say, always in [40, 60]); symmetric codes would spend half their
+  range on values it never takes. Value vectors are centred, and a zero per token
+  would cost one more fp32 per (layer, head, token): 360 bytes a token on
+  SmolLM2, which would put the format over the 12,288 bytes a token it must stay
+  under. fp8 uses the same layout, so that a massive channel cannot saturate
+  e4m3's +-448 and a small one does not sink into its subnormals.
+
+  Scales are fp32: 2 x 4 bytes per key channel (amortised over the chunk's
+  tokens) plus 4 bytes per (layer, head, token), 540 bytes a token on a full
+  256-token SmolLM2 chunk against 11,520 for the codes, and no fp16 underflow or
+  overflow to reason about. Decoding returns bf16 (or the dtype asked for).
+
+  Error bounds (elementwise, against the tensors that were encoded, decoded in
+  fp32): int8 is within half a step, ``scale / 2`` -- for keys (max - min) / 508 of
+  the channel, for values absmax / 254 of the token's vector. fp8 is within
+  ``|x - zero| / 16 + scale / 1024`` (3 mantissa bits; the second term is the
+  subnormal step).
 """
 
 from __future__ import annotations
@@ -26,7 +59,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -36,12 +68,28 @@ _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256
 
 # Storage dtypes a chunk may be written in. fp32 exists for exactness checks; bf16
 # is the default (half the bytes, and the dtype the models run in on CPU).
-STORAGE_DTYPES: dict[str, torch.dtype] = {
+FLOAT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
 }
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}
+# The 8-bit formats: name -> dtype of the stored codes (scales are SCALE_DTYPE).
+QUANTIZED_DTYPES: dict[str, torch.dtype] = {
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+STORAGE_DTYPES: dict[str, torch.dtype] = {**FLOAT_DTYPES, **QUANTIZED_DTYPES}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32",
+                  "i8": "int8", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+                  "fp8_e4m3": "float8_e4m3fn"}
+
+SCALE_DTYPE = torch.float32
+# Largest code magnitude: int8 keeps -128 unused so the grid is symmetric.
+_CODE_MAX = {"int8": 127.0, "float8_e4m3fn": float(torch.finfo(torch.float8_e4m3fn).max)}
+# Decoding a quantised chunk gives this dtype unless the caller asks for another.
+QUANTIZED_DECODE_DTYPE = torch.bfloat16
+_KV_NAMES = ("keys", "values", "token_ids", "offsets")
+_SCALE_NAMES = ("key_scale", "key_zero", "value_scale")
 
 
 # --------------------------------------------------------------------------- errors
@@ -117,7 +165,7 @@ class ModelFingerprint:
                 head_dim=int(data["head_dim"]),
                 name=str(data.get("name", "")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ChunkFormatError(f"malformed model fingerprint: {exc!r}") from None
 
     def describe(self) -> str:
@@ -129,7 +177,12 @@ def text_sha256(text: str) -> str:
 
 
 def normalize_dtype(dtype: str | torch.dtype) -> str:
-    """Canonical storage-dtype name, or `UnknownDtypeError`."""
+    """Canonical storage-dtype name (a `STORAGE_DTYPES` key), or `UnknownDtypeError`.
+
+    For the 8-bit formats a torch dtype names the codes: ``torch.int8`` is "int8".
+    Code that needs a float dtype (compute, weights) should index `FLOAT_DTYPES`."""
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise UnknownDtypeError(f"a chunk dtype is a name or a torch.dtype, got {type(dtype).__name__}")
     if isinstance(dtype, torch.dtype):
         for name, value in STORAGE_DTYPES.items():
             if value == dtype:
@@ -183,15 +236,17 @@ class KVChunk:
     # ---------------------------------------------------------------- encoding
 
     def to_bytes(self, dtype: str | torch.dtype = "bfloat16") -> bytes:
-        """Serialise to a checksummed safetensors frame, K/V stored in `dtype`."""
+        """Serialise to a checksummed safetensors frame, K/V stored in `dtype`
+        (a float dtype, or one of the 8-bit formats of `QUANTIZED_DTYPES`)."""
         dtype_name = normalize_dtype(dtype)
-        store_dtype = STORAGE_DTYPES[dtype_name]
-        tensors = {
-            "keys": self.keys.detach().to("cpu", store_dtype).contiguous(),
-            "values": self.values.detach().to("cpu", store_dtype).contiguous(),
-            "token_ids": self.token_ids.detach().to("cpu", torch.int64).contiguous(),
-            "offsets": self.offsets.detach().to("cpu", torch.int64).contiguous(),
-        }
+        keys, values = self.keys.detach().to("cpu"), self.values.detach().to("cpu")
+        if dtype_name in QUANTIZED_DTYPES:
+            tensors = _quantize(keys, values, dtype_name)
+        else:
+            store_dtype = STORAGE_DTYPES[dtype_name]
+            tensors = {"keys": keys.to(store_dtype).contiguous(), "values": values.to(store_dtype).contiguous()}
+        tensors["token_ids"] = self.token_ids.detach().to("cpu", torch.int64).contiguous()
+        tensors["offsets"] = self.offsets.detach().to("cpu", torch.int64).contiguous()
         meta = {
             "format_version": FORMAT_VERSION,
             "dtype": dtype_name,
@@ -214,20 +269,23 @@ class KVChunk:
 
         `expect_model`: refuse a chunk from any other model (`ForeignModelError`).
         `dtype`: cast K/V after decoding (e.g. ``torch.float32``); default keeps
-        the storage dtype.
+        the storage dtype of a float chunk and gives bf16 for an 8-bit one.
         """
         payload = _unframe(data)
         try:
             tensors = st_load(payload)
-        except (SafetensorError, ValueError, RuntimeError) as exc:
-            raise ChunkFormatError(f"payload is not valid safetensors: {exc}") from None
+        # Broad on purpose: the parser's only input is these bytes, so whatever it
+        # raises (SafetensorError, or a KeyError/AssertionError from safetensors'
+        # Python side for a dtype or shape torch cannot hold) means a bad payload.
+        except Exception as exc:
+            raise ChunkFormatError(f"payload is not valid safetensors: {exc!r}") from None
         meta = read_metadata(payload)
         if meta.get("format_version") != FORMAT_VERSION:
             raise ChunkFormatError(f"unknown chunk format version {meta.get('format_version')!r}")
         dtype_name = meta.get("dtype")
-        if dtype_name not in STORAGE_DTYPES:
+        if not isinstance(dtype_name, str) or dtype_name not in STORAGE_DTYPES:
             raise UnknownDtypeError(f"chunk declares unknown dtype {dtype_name!r}")
-        missing = {"keys", "values", "token_ids", "offsets"} - tensors.keys()
+        missing = set(_KV_NAMES) - tensors.keys()
         if missing:
             raise ChunkFormatError(f"chunk payload lacks tensors {sorted(missing)}")
         for name in ("keys", "values"):
@@ -235,21 +293,138 @@ class KVChunk:
                 raise UnknownDtypeError(
                     f"{name} stored as {tensors[name].dtype}, metadata says {dtype_name}"
                 )
+        quantized = dtype_name in QUANTIZED_DTYPES
+        expected = set(_KV_NAMES) | (set(_SCALE_NAMES) if quantized else set())
+        missing = expected - tensors.keys()
+        if missing:
+            raise ChunkFormatError(f"{dtype_name} chunk payload lacks tensors {sorted(missing)}")
+        extra = tensors.keys() - expected
+        if extra:
+            raise ChunkFormatError(f"chunk payload has unexpected tensors {sorted(extra)} for dtype {dtype_name}")
         model = ModelFingerprint.from_dict(meta.get("model") or {})
         if expect_model is not None and model.id != expect_model.id:
             raise ForeignModelError(
                 f"chunk was computed by {model.describe()}, not by {expect_model.describe()}"
             )
-        keys, values = tensors["keys"], tensors["values"]
-        if dtype is not None:
-            keys, values = keys.to(dtype), values.to(dtype)
         text_hash = meta.get("text_hash")
         if not isinstance(text_hash, str) or len(text_hash) != 64:
             raise ChunkFormatError("chunk metadata lacks a valid text hash")
         settings = meta.get("settings")
         if not isinstance(settings, dict):
             raise ChunkFormatError("chunk metadata lacks its settings")
+        keys, values = tensors["keys"], tensors["values"]
+        if quantized:
+            # Geometry first: the scales' expected shapes come from the codes'.
+            _validate_tensors(keys, values, tensors["token_ids"], tensors["offsets"], model)
+            keys, values = _dequantize(tensors, dtype_name, dtype or QUANTIZED_DECODE_DTYPE)
+        elif dtype is not None:
+            keys, values = keys.to(dtype), values.to(dtype)
         return cls(keys, values, tensors["token_ids"], tensors["offsets"], text_hash, model, settings)
+
+
+# ------------------------------------------------------------------- 8-bit formats
+
+
+def _quantize(keys: torch.Tensor, values: torch.Tensor, dtype_name: str) -> dict[str, torch.Tensor]:
+    """Codes and scales of K/V ``[layers, heads, tokens, head_dim]`` (KIVI's layout,
+    see the module docstring): keys affine per channel, values symmetric per token."""
+    keys, values = keys.float(), values.float()
+    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+        raise ChunkFormatError(f"cannot store non-finite K/V as {dtype_name}")
+    code_max = _CODE_MAX[dtype_name]
+    lo, hi = _min_max(keys, dim=2)
+    # Halves first: hi - lo could overflow fp32 where hi + lo does not.
+    key_zero, key_half = lo / 2 + hi / 2, hi / 2 - lo / 2
+    value_half = values.abs().amax(dim=3, keepdim=True)
+    key_scale, value_scale = key_half / code_max, value_half / code_max
+    return {
+        "keys": _encode(keys - key_zero, key_scale, dtype_name),
+        "values": _encode(values, value_scale, dtype_name),
+        "key_scale": key_scale.to(SCALE_DTYPE).contiguous(),
+        "key_zero": key_zero.to(SCALE_DTYPE).contiguous(),
+        "value_scale": value_scale.to(SCALE_DTYPE).contiguous(),
+    }
+
+
+def _min_max(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.shape[dim] == 0:  # a chunk of no tokens: nothing to scale
+        shape = list(x.shape)
+        shape[dim] = 1
+        return torch.zeros(shape), torch.zeros(shape)
+    return x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+
+
+def _encode(centred: torch.Tensor, scale: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    # An all-constant (or all-zero) group has scale 0 and codes 0: x = zero exactly.
+    ratio = centred / torch.where(scale > 0, scale, torch.ones_like(scale))
+    code_max = _CODE_MAX[dtype_name]
+    ratio = ratio.clamp(-code_max, code_max)  # rounding may step a hair past the edge
+    if dtype_name == "int8":
+        ratio = ratio.round()
+    return ratio.to(QUANTIZED_DTYPES[dtype_name]).contiguous()
+
+
+def _dequantize(tensors: Mapping[str, torch.Tensor], dtype_name: str,
+                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated K/V of an 8-bit chunk, in `out_dtype`.
+
+    Every scale is checked as strictly as the tensors: exact shape, fp32, finite,
+    >= 0, and 0 only where every code of its group is 0 (a constant group). The
+    checks are reductions over the 1-byte codes or over the small scales, and the
+    decode runs layer by layer: this is on the query path, and full-size fp32
+    temporaries cost more than the arithmetic (fresh pages for every one)."""
+    key_codes, value_codes = tensors["keys"], tensors["values"]
+    layers, heads, tokens, head_dim = key_codes.shape
+    if dtype_name == "int8" and key_codes.numel() and min(int(key_codes.min()), int(value_codes.min())) < -127:
+        raise ChunkFormatError("int8 codes hold -128, which the int8 format never writes")
+    expected = {"key_scale": (layers, heads, 1, head_dim), "key_zero": (layers, heads, 1, head_dim),
+                "value_scale": (layers, heads, tokens, 1)}
+    for name, shape in expected.items():
+        t = tensors[name]
+        if t.dtype != SCALE_DTYPE:
+            raise UnknownDtypeError(f"{name} stored as {t.dtype}; the {dtype_name} format stores scales "
+                                    f"as {SCALE_DTYPE}")
+        if tuple(t.shape) != shape:
+            raise ChunkFormatError(f"{name} shape {tuple(t.shape)} != {shape}")
+        if not bool(torch.isfinite(t).all()):
+            raise ChunkFormatError(f"{name} holds non-finite numbers")
+    for name, codes, reduce_dim in (("key_scale", key_codes, 2), ("value_scale", value_codes, 3)):
+        scale = tensors[name]
+        if bool((scale < 0).any()):
+            raise ChunkFormatError(f"{name} holds negative scales")
+        zero = scale == 0  # the full check over the codes only when some group has scale 0
+        if codes.numel() and bool(zero.any()) and bool((zero & _nonzero(codes).any(reduce_dim, keepdim=True)).any()):
+            raise ChunkFormatError(f"{name} is 0 for a group with nonzero codes")
+    key_scale, key_zero, value_scale = tensors["key_scale"], tensors["key_zero"], tensors["value_scale"]
+    keys = torch.empty(key_codes.shape, dtype=out_dtype)
+    values = torch.empty(value_codes.shape, dtype=out_dtype)
+    for layer in range(layers):
+        keys[layer] = torch.addcmul(key_zero[layer], _codes_float(key_codes[layer]), key_scale[layer])
+        values[layer] = _codes_float(value_codes[layer]) * value_scale[layer]
+    for name, out in (("keys", keys), ("values", values)):
+        # min/max propagate NaN (fp8's NaN codes) and show inf (scales past the range)
+        if out.numel() and not all(bool(torch.isfinite(x)) for x in torch.aminmax(out)):
+            raise ChunkFormatError(f"{name} of this {dtype_name} chunk decode to non-finite {out_dtype} values "
+                                   f"(NaN codes, or scales past the range)")
+    return keys, values
+
+
+# Every e4m3fn code as fp32, by torch's own cast. Looking codes up is 2-3x faster on
+# CPU than casting them (torch 2.13 has no vectorised fp8 cast).
+_FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def _codes_float(codes: torch.Tensor) -> torch.Tensor:
+    if codes.dtype == torch.float8_e4m3fn:
+        index = codes.view(torch.uint8).flatten().int()
+        return _FP8_VALUES.index_select(0, index).view(codes.shape)
+    return codes.float()
+
+
+def _nonzero(codes: torch.Tensor) -> torch.Tensor:
+    if codes.dtype == torch.float8_e4m3fn:  # no comparisons on fp8; +0 and -0 are 0x00 and 0x80
+        return (codes.view(torch.uint8) & 0x7F) != 0
+    return codes != 0
 
 
 def read_metadata(data: bytes) -> dict[str, Any]:
@@ -267,7 +442,7 @@ def read_metadata(data: bytes) -> dict[str, Any]:
     try:
         header = json.loads(payload[8 : 8 + header_len])
         meta = json.loads(header["__metadata__"]["cag"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ChunkFormatError(f"chunk metadata unreadable: {exc!r}") from None
     if not isinstance(meta, dict):
         raise ChunkFormatError("chunk metadata is not an object")
