@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cag.kv import KVChunk, ModelFingerprint, STORAGE_DTYPES, normalize_dtype
+from cag.kv import FLOAT_DTYPES, KVChunk, ModelFingerprint, normalize_dtype
 from mappers.base import Mapper, MapperArtifactError
 from mappers.layer_alignment import align_layers
 from mappers.stats import MomentAccumulator
@@ -177,7 +177,7 @@ class LinearKVMapper(Mapper):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return STORAGE_DTYPES[normalize_dtype(self.settings["compute_dtype"])]
+        return FLOAT_DTYPES[normalize_dtype(self.settings["compute_dtype"])]
 
     def _require_fitted(self) -> None:
         if not self.x_mean:
@@ -217,14 +217,14 @@ class LinearKVMapper(Mapper):
         for kind in KINDS:
             out[f"{kind}.x_mean"] = self.x_mean[kind].float()
             out[f"{kind}.y_mean"] = self.y_mean[kind].float()
-        store = STORAGE_DTYPES[normalize_dtype(self.settings.get("storage_dtype", "float32"))]
+        store = FLOAT_DTYPES[normalize_dtype(self.settings.get("storage_dtype", "float32"))]
         out.update({name: t.to(store) for name, t in self._weights().items()})
         return out
 
     def round_to_storage(self) -> None:
         """Round the weights to their storage dtype, so that the fitted mapper in
         memory (and the fidelity measured on it) is exactly the one saved."""
-        self._set_weights({name: t.to(STORAGE_DTYPES[normalize_dtype(self.settings.get("storage_dtype", "float32"))])
+        self._set_weights({name: t.to(FLOAT_DTYPES[normalize_dtype(self.settings.get("storage_dtype", "float32"))])
                            .float() for name, t in self._weights().items()})
 
     def _weights(self) -> dict[str, torch.Tensor]:

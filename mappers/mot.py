@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cag.kv import STORAGE_DTYPES, normalize_dtype
+from cag.kv import FLOAT_DTYPES, normalize_dtype
 from cag.models.loaded import EmptyChunkError
 from mappers.base import MapperError, register_mapper
 from mappers.fidelity import split_continuation
@@ -130,7 +130,7 @@ class MoTMapper(HeteroFoldMapper):
 
     def artifact_bytes(self, experts: int, rank: int) -> int:
         """Estimated weights-file size: means in fp32, every weight in the storage dtype."""
-        store = STORAGE_DTYPES[normalize_dtype(self.settings.get("storage_dtype", "float32"))].itemsize
+        store = FLOAT_DTYPES[normalize_dtype(self.settings.get("storage_dtype", "float32"))].itemsize
         L, Fdim, D = self.target.num_layers, self.num_features, self.num_outputs
         shapes = list(super()._weight_names().values()) + list(self._mot_shapes(experts, rank).values())
         return len(KINDS) * L * (Fdim + D) * 4 + store * sum(math.prod(s) for s in shapes)
