@@ -1,4 +1,5 @@
-# Quick start:  make demo   (set up, convert the packaged models, self-check them)
+# Quick start:  make demo   (set up, convert and self-check the packaged models, then `cag demo`:
+#                            build the bundled handbook store, answer questions cached vs direct)
 #               make test   (set up, run the test suite)
 # Override the interpreter or venv:  make test VENV=/path/to/venv PYTHON=python3.11
 
@@ -29,6 +30,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(BIN)/cag models verify
+	$(BIN)/cag demo
 
 # pytest exits 5 when it collected nothing; make fails on any non-zero status,
 # but say why, so an empty run never reads as a pass.

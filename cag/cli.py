@@ -3,13 +3,14 @@
     cag models list [--json]
     cag models install [NAMES...]
     cag models verify [NAMES...] [--json]
-    cag build CORPUS --store DIR [--source MODEL] [--chunk-tokens N] [--batch N] [--json]
+    cag build CORPUS --store DIR [--source MODEL] [--chunk-tokens N] [--batch N] [--ray local|ADDRESS] [--json]
     cag store stats|verify|gc DIR [--json]
     cag query "QUESTION" --store DIR [--target MODEL] [--mapper M] [--top-k K] [--recompute R] [--direct] [--json]
     cag fit --source A --target B --method ridge|latent|heterofold|mot [--tokens N] [--set K=JSON] [--out DIR]
     cag mappers list [--json]
     cag eval (--dataset NAME... | --qa FILE) [--store DIR] [--targets ...] [--methods ...] [--profile quick|full]
     cag bench [--targets ...] [--lengths ...] [--methods ...] [--repeats N] [--json]
+    cag demo [--store DIR] [--corpus DIR --questions FILE] [--json]
 
 Errors go to stderr with exit code 1; ``--json`` output goes to stdout, one
 object per line, so it can be piped.
@@ -28,6 +29,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cag.gate import DEFAULT_MIN_RETENTION
 from cag.models import registry
 
 app = typer.Typer(help="Cache-augmented generation: KV chunk caches shared across models.",
@@ -49,7 +51,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="One JSON object per line
 
 
 def _fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape  # a message naming an extra, "cag[ray]", is text, not markup
+
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 
@@ -185,35 +189,49 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 # --------------------------------------------------------------------- build / store
 
-StoreDir = Annotated[Path, typer.Argument(help="The store directory.", show_default=False)]
+StoreDir = Annotated[str, typer.Argument(help="The store: a directory or redis://host:port/NAME.",
+                                         show_default=False)]
 
 
 @app.command("build")
 def build(
     corpus: Annotated[Path, typer.Argument(help="A folder of text files (or one file).", show_default=False)],
-    store: Annotated[Path, typer.Option("--store", help="Store directory (created if needed).")],
+    store: Annotated[str, typer.Option("--store", help="Store directory (created if needed) "
+                                                      "or redis://host:port/NAME.")],
     source: Annotated[str, typer.Option(help="Source model: short name, folder or HF id.")] = "smollm2-135m",
     chunk_tokens: Annotated[int, typer.Option(help="Target chunk size in source tokens.", min=8)] = 256,
     batch: Annotated[int, typer.Option(help="Chunks per source-model forward.", min=1)] = 4,
-    dtype: Annotated[str, typer.Option(help="Storage dtype of K/V: bfloat16 or float16.")] = "bfloat16",
+    dtype: Annotated[str, typer.Option(help="Storage dtype of K/V: bfloat16, float16, float32, "
+                                            "int8 or float8_e4m3fn (8-bit codes + scales).")] = "bfloat16",
     embedder: Annotated[str | None, typer.Option(help="sentence-transformers id or path "
                                                      "(default: the packaged all-MiniLM-L6-v2).")] = None,
     max_doc_mb: Annotated[float, typer.Option(help="Refuse documents larger than this.")] = 16.0,
     allow_empty: Annotated[bool, typer.Option(help="Allow an empty corpus (removes every document).")] = False,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray", help="Prefill on Ray workers: 'local' (2 CPUs here) or a cluster address "
+                      "(host:6379, ray://host:10001). Needs: pip install \"cag[ray]\".", show_default=False)] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Prefill new and changed documents of CORPUS into the store, incrementally."""
+    from cag.progress import build_progress
     from stores.build import build_store
     from stores.errors import StoreError
 
     if not corpus.exists():
         raise _fail(f"corpus {corpus} does not exist")
     try:
+        prefill = None
+        if ray_address is not None:  # before the model loads: a missing extra or a bad address fails fast
+            from stores.ray_build import RayPrefill, connect
+
+            connect(ray_address)
+            prefill = RayPrefill(source)
         with err.status(f"loading {source}…"):
-            lm = registry.load(source, "bfloat16")
-        summary = build_store(corpus, store, lm, chunk_tokens=chunk_tokens, batch_size=batch, dtype=dtype,
-                              embedder=embedder, allow_empty=allow_empty,
-                              max_document_bytes=int(max_doc_mb * 1e6), progress=True)
+            lm = registry.load(source, "auto")
+        with build_progress("cag build") as progress:  # stderr: a bar on a terminal, else plain lines
+            summary = build_store(corpus, store, lm, chunk_tokens=chunk_tokens, batch_size=batch, dtype=dtype,
+                                  embedder=embedder, allow_empty=allow_empty,
+                                  max_document_bytes=int(max_doc_mb * 1e6), prefill=prefill, **progress)
     except (StoreError, registry.ModelError, ValueError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
     row = summary.to_dict()
@@ -233,14 +251,17 @@ def build(
         err.print(f"{len(summary.failed)} document(s) failed; the rest of the build went through")
 
 
-def _open_store(path: Path):
-    from stores.manifest import open_current
+def _open_store(path: str):
+    """The store at `path` (a folder or a URL, `stores.location`), its manifest and its index."""
+    from stores.errors import StoreError
+    from stores.location import open_store
 
-    if not path.is_dir():
-        raise _fail(f"no store at {path}")
     try:
-        return open_current(path, embedder=_NoEmbedder.for_store(path))
-    except FileNotFoundError as e:
+        location = open_store(path)
+        if not location.exists():
+            raise _fail(f"no store at {path}")
+        return (location, *location.open_current(embedder=_NoEmbedder.for_store(location)))
+    except (FileNotFoundError, StoreError, ValueError) as e:
         raise _fail(str(e)) from None
 
 
@@ -254,29 +275,23 @@ class _NoEmbedder:
         raise RuntimeError("this command does not embed")
 
     @classmethod
-    def for_store(cls, path: Path) -> "_NoEmbedder":
-        from stores.index import VectorIndex
-        from stores.manifest import current_version, version_dir
-
-        number = current_version(path)
+    def for_store(cls, location) -> "_NoEmbedder":
+        number = location.current_version()
         if number is None:
-            raise _fail(f"no store version published in {path}")
-        info = VectorIndex.read_info(version_dir(path, number))
+            raise _fail(f"no store version published in {location}")
+        info = location.index_info(number)
         return cls(info["embedder_id"], info["dim"])
 
 
 @store_app.command("stats")
 def store_stats(path: StoreDir, as_json: JsonFlag = False) -> None:
     """Documents, chunks, tokens and bytes of the published store version."""
-    from stores.diskcache_store import DiskCacheChunkStore
-    from stores.manifest import chunks_dir, list_versions
-
-    manifest, index = _open_store(path)
-    with DiskCacheChunkStore(chunks_dir(path)) as chunks:
+    location, manifest, index = _open_store(path)
+    with location.chunks() as chunks:
         st = chunks.stats()
     tokens = sum(e.n_tokens for e in manifest.documents.values())
     row = {
-        "store": str(path), "version": manifest.version, "versions_kept": list_versions(path),
+        "store": str(location), "version": manifest.version, "versions_kept": location.list_versions(),
         "source_model": manifest.source_model.get("name") or manifest.source_model.get("family"),
         "documents": len(manifest.documents),
         "chunks": sum(len(e.chunk_keys) for e in manifest.documents.values()),
@@ -300,11 +315,8 @@ def store_stats(path: StoreDir, as_json: JsonFlag = False) -> None:
 @store_app.command("verify")
 def store_verify(path: StoreDir, as_json: JsonFlag = False) -> None:
     """Re-read every chunk: checksums, formats, fingerprints; exit 1 on any problem."""
-    from stores.diskcache_store import DiskCacheChunkStore
-    from stores.manifest import chunks_dir
-
-    manifest, index = _open_store(path)
-    with DiskCacheChunkStore(chunks_dir(path)) as chunks:
+    location, manifest, index = _open_store(path)
+    with location.chunks() as chunks:
         report = chunks.verify(expect_model=manifest.source_fingerprint)
         missing = sorted(k for k in manifest.chunk_keys() if not chunks.contains(k))
     unindexed = sorted(manifest.chunk_keys() - index.keys())
@@ -313,7 +325,7 @@ def store_verify(path: StoreDir, as_json: JsonFlag = False) -> None:
                  for k in missing]
     problems += [{"key": k, "kind": "unindexed", "message": "in the manifest, not in the index"}
                  for k in unindexed]
-    row = {"store": str(path), "version": manifest.version, "checked": report.checked, "ok": report.ok,
+    row = {"store": str(location), "version": manifest.version, "checked": report.checked, "ok": report.ok,
            "problems": problems}
     if as_json:
         print(json.dumps(row), flush=True)
@@ -330,10 +342,10 @@ def store_gc(path: StoreDir, as_json: JsonFlag = False) -> None:
     """Delete chunks that no kept store version references."""
     from stores.build import collect_garbage
 
-    _open_store(path)
-    removed = collect_garbage(path)
+    location, _, _ = _open_store(path)
+    removed = collect_garbage(location)
     if as_json:
-        print(json.dumps({"store": str(path), "chunks_collected": removed}), flush=True)
+        print(json.dumps({"store": str(location), "chunks_collected": removed}), flush=True)
     else:
         out.print(f"collected {removed} unreferenced chunk(s) from {path}")
 
@@ -344,24 +356,39 @@ def store_gc(path: StoreDir, as_json: JsonFlag = False) -> None:
 @app.command("query")
 def query(
     question: Annotated[str, typer.Argument(help="The question.", show_default=False)],
-    store: Annotated[Path, typer.Option("--store", help="Store directory.")],
+    store: Annotated[str, typer.Option("--store", help="Store directory or redis://host:port/NAME.")],
     target: Annotated[str, typer.Option(help="Answering model: short name, folder or HF id.")] = "qwen2.5-0.5b",
     mapper: Annotated[str, typer.Option(help="auto, identity, a method name or an artifact folder.")] = "auto",
     top_k: Annotated[int, typer.Option("--top-k", min=1)] = 4,
     recompute: Annotated[float, typer.Option(help="Fraction of context tokens to recompute (CacheBlend).",
                                              min=0.0, max=1.0)] = 0.0,
+    recompute_select: Annotated[str, typer.Option(help="deviation, question, first_k, source or retriever "
+                                                  "(see CachedContext.recompute_select).")] = "deviation",
+    min_retention: Annotated[float, typer.Option(help="Quality gate: least found-rate retention a cached path "
+                                                 "must have measured to be served (0 = serve it anyway).",
+                                                 min=0.0, max=1.0)] = DEFAULT_MIN_RETENTION,
+    fallback: Annotated[str, typer.Option(help="When no cached path passes: direct (prefill the text) or "
+                                          "raise (exit 1).")] = "direct",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     direct: Annotated[bool, typer.Option(help="Also answer by prefilling the retrieved text, to compare.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Answer QUESTION from the store's cached chunks; print the answer, sources and timings."""
+    """Answer QUESTION from the store's cached chunks; print the answer, the serving path the
+    quality gate chose (and why), sources and timings."""
     import warnings
 
     from cag.context import CachedContext, EmptyStoreError
+    from cag.gate import GateError
     from cag.mapping import MapperNotFoundError
+    from pydantic import ValidationError
+    from stores.errors import StoreError
 
-    ctx = CachedContext(store=store, target=target, mapper=mapper, top_k=top_k, recompute_ratio=recompute,
-                        max_new_tokens=max_new_tokens)
+    try:
+        ctx = CachedContext(store=store, target=target, mapper=mapper, top_k=top_k, recompute_ratio=recompute,
+                            recompute_select=recompute_select, min_retention=min_retention, fallback=fallback,
+                            max_new_tokens=max_new_tokens)
+    except ValidationError as e:
+        raise _fail(str(e)) from None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # they are reported from answer.warnings below
@@ -374,7 +401,7 @@ def query(
                 reference.timings.first_token += reference.timings.retrieve
                 reference.timings.total += reference.timings.retrieve
                 answers.append(reference)
-    except (EmptyStoreError, MapperNotFoundError, registry.ModelError, ValueError) as e:
+    except (EmptyStoreError, MapperNotFoundError, GateError, registry.ModelError, StoreError, ValueError) as e:
         raise _fail(str(e)) from None
     finally:
         ctx.close()
@@ -382,8 +409,13 @@ def query(
         for a in answers:
             print(json.dumps(a.to_dict()), flush=True)
         return
+    gate = answers[0].gate
+    if gate:
+        err.print(f"path: [bold]{gate['path']}[/] — {gate['reason']}", highlight=False, soft_wrap=True)
     for a in answers:
         label = "cached" if a.condition == "cached" else "direct context"
+        if a is answers[0]:
+            label = f"answer ({a.path} path)"
         out.print(f"[bold]{label}[/] ({a.mapper or 'text'}): {a.text.strip()}", highlight=False, soft_wrap=True)
         for w in a.warnings:
             err.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
@@ -422,6 +454,7 @@ def fit_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Fit a mapper on the bundled calibration essays (kept apart from every evaluation text); resumable."""
+    from cag.progress import fit_progress
     from eval.datasets import calibration_sample
     from mappers.base import MapperError
     from mappers.fit import fit_mapper, parse_settings
@@ -434,10 +467,12 @@ def fit_cmd(
     except ValueError as e:
         raise _fail(str(e)) from None
     try:
-        src, tgt = registry.load(source, "bfloat16"), registry.load(target, "bfloat16")
+        src, tgt = registry.load(source, "auto"), registry.load(target, "auto")
         started = time.perf_counter()
-        mapper = fit_mapper(src, tgt, method, texts, out_dir, settings=settings,
-                            corpus_name=f"cag calibration essays ({len(texts)} texts, {words} words)")
+        with fit_progress("cag fit") as progress:  # stderr: a bar on a terminal, else plain lines
+            mapper = fit_mapper(src, tgt, method, texts, out_dir, settings=settings,
+                                corpus_name=f"cag calibration essays ({len(texts)} texts, {words} words)",
+                                **progress)
     except (MapperError, registry.ModelError, ValueError) as e:
         raise _fail(str(e)) from None
     size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
@@ -507,14 +542,14 @@ def eval_cmd(
                                                              "(repeatable; default: the profile's).")] = None,
     recompute: Annotated[float, typer.Option(help="CacheBlend recompute ratio for the cached conditions.",
                                              min=0.0, max=1.0)] = 0.0,
-    recompute_select: Annotated[str, typer.Option(help="Which tokens are recomputed: deviation (CacheBlend) "
-                                                  "or question (where the question attends).")] = "deviation",
+    recompute_select: Annotated[str, typer.Option(help="Which tokens are recomputed: deviation (CacheBlend), "
+                                                  "question (where the target's question attends), first_k "
+                                                  "(EPIC), source (the store's source model's contrastive "
+                                                  "attention) or retriever (sentence embeddings).")] = "deviation",
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),
     as_json: JsonFlag = False,
 ) -> None:
     """Quality retention against direct context: every condition, same chunks; writes a report."""
-    from rich.progress import Progress
-
     from eval import datasets as ds
     from eval.run import run_eval
 
@@ -531,7 +566,7 @@ def eval_cmd(
             for name in dataset or prof["datasets"]:
                 kw = {}
                 if name == "needle":  # lengths counted in the first target's tokens
-                    kw = dict(prof["needle"], tokenizer=registry.load(targets[0], "bfloat16").tokenizer)
+                    kw = dict(prof["needle"], tokenizer=registry.load(targets[0], "auto").tokenizer)
                     if needle_length:
                         kw["lengths"] = tuple(needle_length)
                     if needle_depth:
@@ -540,19 +575,12 @@ def eval_cmd(
     except (ValueError, TypeError, OSError, ds.DatasetFormatError) as e:
         raise _fail(str(e)) from None
     command = "cag eval " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "cag eval"
-    with Progress(console=err, transient=True) as bar:
-        task = bar.add_task("eval", total=len(items) * len(targets))
-
-        def progress(target: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, description=f"eval {target}")
-
-        try:
-            summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
-                               top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
-                               recompute_ratio=recompute, recompute_select=recompute_select,
-                               on_progress=progress)
-        except (registry.ModelError, ValueError) as e:
-            raise _fail(str(e)) from None
+    try:  # progress goes to stderr (cag.progress), so --json keeps stdout to the summary
+        summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
+                           top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
+                           recompute_ratio=recompute, recompute_select=recompute_select, progress=True)
+    except (registry.ModelError, ValueError) as e:
+        raise _fail(str(e)) from None
     if as_json:
         print(json.dumps(summary), flush=True)
     else:
@@ -578,6 +606,55 @@ def bench_cmd(
     argv += ["--lengths", *map(str, lengths or [1024, 2048, 4096, 8192])]
     argv += ["--methods", *(methods or ["auto"])]
     raise typer.Exit(bench_main(argv + (["--json"] if as_json else [])))
+
+
+@app.command("demo")
+def demo_cmd(
+    store: Annotated[Path | None, typer.Option("--store", help="Where the demo store goes "
+                                                "(default: $CAG_HOME/demo-store).")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="A folder of documents (default: the bundled "
+                                                 "rail-museum handbook).")] = None,
+    questions: Annotated[Path | None, typer.Option(help="JSONL of {\"question\", \"answers\"} "
+                                                    "(default: the handbook's questions).")] = None,
+    source: Annotated[str, typer.Option(help="Model that prefills the store.")] = "smollm2-135m",
+    target: Annotated[str, typer.Option(help="Model that answers.")] = "qwen2.5-0.5b",
+    top_k: Annotated[int, typer.Option("--top-k", min=1)] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="The report as one JSON object on stdout.")] = False,
+) -> None:
+    """The main job end to end: nightly build, then questions through the gated cached path and
+    through direct context, side by side (TTFT, speedup, right or wrong)."""
+    from cag.demo import DEFAULT_CORPUS, DEFAULT_QUESTIONS, run_demo
+
+    store = store or registry.cag_home() / "demo-store"
+    try:
+        report = run_demo(store=store, corpus=corpus or DEFAULT_CORPUS, questions=questions or DEFAULT_QUESTIONS,
+                          source=source, target=target, top_k=top_k,
+                          log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (registry.ModelError, ValueError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    if as_json:
+        print(json.dumps(report), flush=True)
+        return
+    gate = report["gate"]
+    table = Table(title=f"cag demo: {report['source']} store, {report['target']} answers "
+                        f"(path: {gate['path']})", show_lines=True)
+    for col in ("question", "expected", "answer", "right", "path", "TTFT", "direct answer", "right",
+                "direct TTFT", "speedup"):
+        table.add_column(col, overflow="fold")
+    mark = {True: "[green]yes[/]", False: "[red]no[/]"}
+    for r in report["questions"]:
+        table.add_row(r["question"], r["expected"], r["answer"], mark[r["correct"]], r["path"],
+                      f"{r['ttft_s']:.2f} s", r["direct_answer"], mark[r["direct_correct"]],
+                      f"{r['direct_ttft_s']:.2f} s", f"{r['speedup']:.1f}×")
+    out.print(table)
+    out.print(f"right: {report['correct']}/{len(report['questions'])} on the {gate['path']} path, "
+              f"{report['direct_correct']}/{len(report['questions'])} with direct context. "
+              f"Gate: {gate['reason']}", highlight=False, soft_wrap=True)
+    for rejected in gate["rejected"]:
+        out.print(f"  not served: {rejected['why']}", highlight=False, soft_wrap=True)
+    b = report["build"]
+    out.print(f"build: {b['documents']} documents, {b['chunks']} chunks ({b['prefilled']} prefilled now, "
+              f"{b['reused']} reused) in {b['seconds']:.1f} s. {report['note']}.", highlight=False, soft_wrap=True)
 
 
 def main() -> None:  # python -m cag.cli

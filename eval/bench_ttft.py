@@ -118,7 +118,7 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
 
     for target in targets:
         note(f"{target}: loading, building stores")
-        target_lm = registry.load(target, "bfloat16")
+        target_lm = registry.load(target, "auto")
         docs = [(f"essays-{n}", cut_to_tokens(text, target_lm.tokenizer, n)) for n in lengths]
         stores = {"native_cache": work_dir / f"store-{target}"}
         build_store(docs, stores["native_cache"], target_lm, chunk_tokens=chunk_tokens)
@@ -126,7 +126,7 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                                                   translation_cache_mb=0, max_new_tokens=1)}
         if source != target:
             source_store = work_dir / f"store-{source}"
-            build_store(docs, source_store, registry.load(source, "bfloat16"), chunk_tokens=chunk_tokens)
+            build_store(docs, source_store, registry.load(source, "auto"), chunk_tokens=chunk_tokens)
             for method in methods:
                 ctx = CachedContext(store=source_store, target=target, mapper=method, translation_cache_mb=0,
                                     max_new_tokens=1)

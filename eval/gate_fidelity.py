@@ -55,6 +55,8 @@ def path_record(rows: list[dict], condition: str, items: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sources", nargs="+", default=list(MODELS))
+    ap.add_argument("--targets", nargs="+", default=list(MODELS), help="answering models (each source's own "
+                    "model is always one: its native path)")
     ap.add_argument("--n", type=int, default=40, help="calibration questions per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=16)
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
     cards = {str(folder): (folder, card) for folder, card in available_mappers()}
     report = []
     for source in args.sources:
-        targets = [t for t in MODELS if t != source] + [source]
+        targets = [t for t in args.targets if t != source] + [source]
         out = args.out / f"source-{source}"
         store = None
         repair = {"ratio": args.repair, "select": args.repair_select} if args.repair else None
@@ -112,8 +114,11 @@ def main(argv=None) -> int:
                     card = Mapper.read_card(folder)
                     card.setdefault("fidelity", {})["lookup_repair" if repair else "lookup"] = rec
                     write_card(folder, card)
-    if not args.no_write:
-        native_path.write_text(json.dumps(native, indent=2, sort_keys=True) + "\n")
+    if not args.no_write:  # merged into the file as it is now: another run may have written it meanwhile
+        current = json.loads(native_path.read_text()) if native_path.is_file() else {}
+        for section, records in native.items():
+            current.setdefault(section, {}).update(records)
+        native_path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
     name = f"gate-repair{args.repair:g}-{args.repair_select}" if args.repair else "gate"
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# Lookup fidelity of each serving path (what the quality gate reads)", "",

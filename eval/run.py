@@ -41,7 +41,7 @@ def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, 
             docs.setdefault(d.id, d.text)
     if not docs:
         raise ValueError("these questions bring no documents; pass --store with a built store")
-    return build_store(sorted(docs.items()), store_dir, registry.load(source, "bfloat16"),
+    return build_store(sorted(docs.items()), store_dir, registry.load(source, "auto"),
                        chunk_tokens=chunk_tokens, embedder=embedder, progress=progress, on_event=on_event)
 
 

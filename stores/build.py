@@ -25,21 +25,20 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cag.kv import text_sha256
+from cag.kv import normalize_dtype, text_sha256
 from cag.models.loaded import LoadedModel
 
-from .base import chunk_key
+from .base import ChunkStore, chunk_key
 from .chunker import Chunk, Chunker, ChunkerSettings
-from .diskcache_store import DiskCacheChunkStore
 from .errors import StoreError
 from .index import Embedder, Row, VectorIndex, resolve_embedder
-from .manifest import (DocumentEntry, Manifest, check_compatible, chunks_dir, cleanup_versions,
-                       list_versions, open_current, publish, version_dir, MANIFEST_FILE)
+from .location import StoreLocation, open_store
+from .manifest import DocumentEntry, Manifest
 
 DEFAULT_MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
@@ -164,7 +163,7 @@ def build_settings(source: LoadedModel, chunk_tokens: int, dtype: str) -> dict[s
     """What every chunk of a store depends on besides its text: one dict, in the
     manifest and in every content address."""
     chunker = ChunkerSettings(chunk_tokens=chunk_tokens, tokenizer=source.fingerprint.tokenizer_hash[:20])
-    return {**chunker.to_dict(), "sink_ids": list(source.sink_ids), "dtype": dtype}
+    return {**chunker.to_dict(), **source.chunk_settings(), "dtype": dtype}
 
 
 @dataclass
@@ -177,7 +176,7 @@ class _PlannedDoc:
 
 def build_store(
     documents: Iterable[Any] | str | os.PathLike[str],
-    store_dir: str | os.PathLike[str],
+    store_dir: str | os.PathLike[str] | StoreLocation,
     source: LoadedModel,
     *,
     chunk_tokens: int = 256,
@@ -188,9 +187,16 @@ def build_store(
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
     on_event: Callable[[BuildEvent], None] | None = None,
     progress: bool = False,
+    prefill: PrefillStep | None = None,
 ) -> BuildSummary:
     """Build or update the store at `store_dir` from `documents` (a folder, or an
     iterable of documents, see `as_source_documents`). Returns the summary.
+
+    `store_dir` is a folder, a ``redis://host:port/NAME`` URL or an opened location
+    (`stores.location.open_store`).
+
+    `prefill` computes the chunks' bytes (default `prefill_locally`, in this process;
+    `stores.ray_build.RayPrefill` spreads it over Ray workers). Every write stays here.
 
     Raises `StoreMismatchError` before doing any work when the store was built with
     another source model or other settings, and `EmptyCorpusError` for a corpus of
@@ -198,21 +204,22 @@ def build_store(
     """
     started = time.perf_counter()
     emit = on_event or (lambda event: None)
-    store_dir = Path(store_dir)
+    location = open_store(store_dir)
     docs = (corpus_documents(documents, max_bytes=max_document_bytes)
             if isinstance(documents, (str, os.PathLike)) else as_source_documents(documents))
     if not docs and not allow_empty:
         raise EmptyCorpusError("the corpus has no documents; nothing was built "
                                "(pass allow_empty / --allow-empty to remove every document from the store)")
+    dtype = normalize_dtype(dtype)  # "i8" and "int8" are one format: one chunk address, one store
     settings = build_settings(source, chunk_tokens, dtype)
     embed = resolve_embedder(embedder)
     embedder_id = getattr(embed, "id")
-    previous = check_compatible(store_dir, source.fingerprint, settings, embedder_id)
+    previous = location.check_compatible(source.fingerprint, settings, embedder_id)
     old_docs = previous.documents if previous else {}
     summary = BuildSummary()
 
     # 1. plan
-    store = DiskCacheChunkStore(chunks_dir(store_dir))
+    store = location.chunks()
     chunker = Chunker(source.tokenizer, ChunkerSettings(**{k: settings[k] for k in
                                                             ("chunk_tokens", "tokenizer", "min_fill", "version")}))
     planned: list[_PlannedDoc] = []
@@ -260,11 +267,12 @@ def build_store(
                 if key not in todo and not store.contains(key):
                     todo[key] = c
         prefill_started = time.perf_counter()
-        _prefill_into(store, source, todo, settings, batch_size, dtype, summary, emit, progress)
+        _prefill_into(store, source, todo, settings, batch_size, dtype, summary, emit, progress,
+                      prefill or prefill_locally)
         summary.prefill_s = time.perf_counter() - prefill_started
 
         # 3. index: previous version's rows, minus what changed, plus what is new
-        index = _next_index(store_dir, previous, embed, embedder_id)
+        index = _next_index(location, previous, embed, embedder_id)
         stale = [p.doc_id for p in planned if p.status == "changed"] + removed
         index.remove_docs(stale)
         rows = [Row(key, p.doc_id, c.text, c.start, c.end)
@@ -283,14 +291,14 @@ def build_store(
         summary.unchanged = sum(p.status == "unchanged" for p in planned)
         summary.removed = len(removed)
         if previous is None or summary.new or summary.changed or summary.removed:
-            summary.version = publish(store_dir, manifest, index)
+            summary.version = location.publish(manifest, index)
             summary.published = True
             emit(BuildEvent("published", summary.chunks_prefilled, summary.tokens_prefilled, summary.version))
         else:
             summary.version = previous.version
 
         # 5. gc
-        summary.chunks_collected = collect_garbage(store_dir, store)
+        summary.chunks_collected = collect_garbage(location, store)
         emit(BuildEvent("collected", summary.chunks_prefilled, summary.tokens_prefilled, summary.chunks_collected))
 
         summary.documents = len(manifest.documents)
@@ -303,27 +311,54 @@ def build_store(
         summary.bytes_per_token = stats.bytes / summary.tokens if summary.tokens else 0.0
     finally:
         store.close()
+        if location is not store_dir:  # opened here: release its connections
+            location.close()
     summary.wall_s = time.perf_counter() - started
     summary.tokens_per_s = summary.tokens_prefilled / summary.prefill_s if summary.prefill_s > 0 else 0.0
     return summary
 
 
+# One encoded chunk: its frame bytes (exactly what the store keeps) and its token count.
+Encoded = tuple[bytes, int]
+# The pluggable part of step 2: (source, batches of chunk texts, settings, storage dtype) ->
+# (batch number, that batch's encoded chunks in order), each batch once, in any order.
+# It only computes; the build puts what it yields, so writes stay in one process.
+PrefillStep = Callable[[LoadedModel, Sequence[list[str]], dict[str, Any], str], Iterable[tuple[int, list[Encoded]]]]
+
+
+def prefill_locally(source: LoadedModel, batches: Sequence[list[str]], settings: dict[str, Any],
+                    dtype: str) -> Iterator[tuple[int, list[Encoded]]]:
+    """The single-process prefill step: one forward per batch, in order, lazily
+    (each batch is stored before the next is computed)."""
+    for number, texts in enumerate(batches):
+        yield number, [(c.to_bytes(dtype), c.num_tokens) for c in source.prefill_batch(texts, settings=settings)]
+
+
 def _prefill_into(store, source: LoadedModel, todo: dict[str, Chunk], settings: dict, batch_size: int,
-                  dtype: str, summary: BuildSummary, emit, progress: bool) -> None:
+                  dtype: str, summary: BuildSummary, emit, progress: bool, prefill: PrefillStep) -> None:
     items = list(todo.items())
+    step = max(1, batch_size)
+    batches = [items[start:start + step] for start in range(0, len(items), step)]
+    done: set[int] = set()
     with _progress(progress) as bar:
         # the total counts tokens as the chunker did (whole-document tokenization)
         task = bar.add_task("prefill", total=sum(c.n_tokens for _, c in items), unit="tokens") if bar else None
-        for start in range(0, len(items), max(1, batch_size)):
-            batch = items[start:start + batch_size]
-            chunks = source.prefill_batch([c.text for _, c in batch], settings=settings)
-            for (key, _), chunk in zip(batch, chunks):
-                store.put(key, chunk.to_bytes(dtype))
+        for number, encoded in prefill(source, [[c.text for _, c in batch] for batch in batches], settings, dtype):
+            # A step is pluggable; one that loses or repeats a batch would publish a
+            # manifest naming chunks the store lacks, so check before anything is put.
+            if not 0 <= number < len(batches) or number in done or len(encoded) != len(batches[number]):
+                raise StoreError(f"the prefill step returned batch {number} wrongly "
+                                 f"({len(encoded)} chunks; {len(batches)} batches, {len(done)} done)")
+            done.add(number)
+            for (key, _), (data, num_tokens) in zip(batches[number], encoded):
+                store.put(key, data)
                 summary.chunks_prefilled += 1
-                summary.tokens_prefilled += chunk.num_tokens
+                summary.tokens_prefilled += num_tokens
                 emit(BuildEvent("chunk_stored", summary.chunks_prefilled, summary.tokens_prefilled, key))
                 if bar:
-                    bar.advance(task, chunk.num_tokens)
+                    bar.advance(task, num_tokens)
+    if len(done) != len(batches):
+        raise StoreError(f"the prefill step returned {len(done)} of {len(batches)} batches")
 
 
 class _NullProgress:
@@ -353,30 +388,33 @@ def _progress(enabled: bool):
                     TextColumn("ETA"), TimeRemainingColumn(), console=Console(stderr=True))
 
 
-def _next_index(store_dir: Path, previous: Manifest | None, embed, embedder_id: str) -> VectorIndex:
+def _next_index(location: StoreLocation, previous: Manifest | None, embed, embedder_id: str) -> VectorIndex:
     if previous is None:
         return VectorIndex(embed, embedder_id=embedder_id)
-    _, index = open_current(store_dir, embed, embedder_id=embedder_id)
+    _, index = location.open_current(embed, embedder_id=embedder_id)
     return index
 
 
-def referenced_keys(store_dir: str | os.PathLike[str]) -> set[str]:
+def referenced_keys(store_dir: str | os.PathLike[str] | StoreLocation) -> set[str]:
     """Chunk keys that any kept store version refers to."""
+    location = open_store(store_dir)
     keys: set[str] = set()
-    for number in list_versions(store_dir):
-        path = version_dir(store_dir, number) / MANIFEST_FILE
-        if path.is_file():
-            keys |= Manifest.load(path).chunk_keys()
+    for number in location.list_versions():
+        try:
+            keys |= location.load_manifest(number).chunk_keys()
+        except FileNotFoundError:  # deleted by a concurrent cleanup: nothing of it is kept
+            pass
     return keys
 
 
-def collect_garbage(store_dir: str | os.PathLike[str], store: DiskCacheChunkStore | None = None) -> int:
+def collect_garbage(store_dir: str | os.PathLike[str] | StoreLocation, store: ChunkStore | None = None) -> int:
     """Delete chunks that no kept version references; returns how many."""
-    cleanup_versions(store_dir)
+    location = open_store(store_dir)
+    location.cleanup_versions()
     own = store is None
-    store = store or DiskCacheChunkStore(chunks_dir(store_dir))
+    store = location.chunks() if own else store  # not `store or …`: an empty store is falsy
     try:
-        keep = referenced_keys(store_dir)
+        keep = referenced_keys(location)
         doomed = [k for k in store.keys() if k not in keep]
         for key in doomed:
             store.delete(key)
@@ -384,3 +422,5 @@ def collect_garbage(store_dir: str | os.PathLike[str], store: DiskCacheChunkStor
     finally:
         if own:
             store.close()
+        if location is not store_dir:
+            location.close()
