@@ -119,6 +119,23 @@ def _within(make_manager, steps):
         yield step
 
 
+def _timed(steps, answer: "Answer", t0: float):
+    """Yield each step's text into `answer`, filling its question-prefill, TTFT, decode and total."""
+    timings, decode_started = answer.timings, None
+    for step in steps:
+        if decode_started is None and step.token_id is not None:
+            decode_started = time.perf_counter()
+            timings.question_prefill = step.seconds
+            timings.first_token = decode_started - t0
+        answer.text += step.text
+        yield step.text
+    end = time.perf_counter()
+    if decode_started is None:  # stopped at once
+        timings.question_prefill = timings.first_token = end - t0
+        decode_started = end
+    timings.decode, timings.total = end - decode_started, end - t0
+
+
 class _TranslatedLRU:
     """Translated chunks kept in memory, bounded by bytes: a hot chunk is translated once."""
 
@@ -406,27 +423,15 @@ class CachedContext(BaseModel):
         with asm.model_lock:
             prepared = self.prepare(question, hits, max_new_tokens=max_new,
                                     repair=decision.fidelity.repair if decision.path.endswith("+repair") else None)
-            answer, timings, t0 = prepared.answer, prepared.answer.timings, prepared.started
+            answer, t0 = prepared.answer, prepared.started
             self._gate_answer(answer, decision, lm)
             self._last_answer = answer
-            decode_started = None
             def ape():
                 return context_temperature(lm.model, *prepared.context_span, temperature=self.context_temperature,
                                            scale=self.context_scale)
-            for step in _within(ape, stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
-                                                   max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer))):
-                if decode_started is None and step.token_id is not None:
-                    decode_started = time.perf_counter()
-                    timings.question_prefill = step.seconds
-                    timings.first_token = decode_started - t0
-                answer.text += step.text
-                yield step.text
-            end = time.perf_counter()
-            if decode_started is None:  # stopped at once
-                timings.question_prefill = timings.first_token = end - t0
-                decode_started = end
-            timings.decode = end - decode_started
-            timings.total = end - t0
+            steps = _within(ape, stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
+                                               max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer)))
+            yield from _timed(steps, answer, t0)
         return answer  # the generator's value: this stream's own Answer, whatever other threads did
 
     def _gate_answer(self, answer: Answer, decision: GateDecision, lm) -> None:
@@ -461,21 +466,10 @@ class CachedContext(BaseModel):
         self._last_answer = answer
         ids = asm.direct_ids(context_ids, question)
         with asm.model_lock:
-            decode_started = None
-            for step in stream_tokens(lm.model, lm.tokenizer, DynamicCache(config=lm.model.config), ids,
-                                      max_new_tokens=max_new_tokens or self.max_new_tokens,
-                                      stop_ids=stop_token_ids(lm.tokenizer)):
-                if decode_started is None and step.token_id is not None:
-                    decode_started = time.perf_counter()
-                    timings.question_prefill = step.seconds
-                    timings.first_token = decode_started - t0
-                answer.text += step.text
-                yield step.text
-            end = time.perf_counter()
-            if decode_started is None:
-                timings.question_prefill = timings.first_token = end - t0
-                decode_started = end
-            timings.decode, timings.total = end - decode_started, end - t0
+            steps = stream_tokens(lm.model, lm.tokenizer, DynamicCache(config=lm.model.config), ids,
+                                  max_new_tokens=max_new_tokens or self.max_new_tokens,
+                                  stop_ids=stop_token_ids(lm.tokenizer))
+            yield from _timed(steps, answer, t0)
         return answer
 
     def _source_assembler(self):

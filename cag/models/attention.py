@@ -27,20 +27,31 @@ def capture_attention(model, store: dict):
     Tensors are batch row 0, detached: ``[heads, tokens, head_dim]``. Works with
     any registered attention implementation (sdpa by default), not with eager.
     """
+    def wrap(original):
+        def wrapper(module, query, key, value, attention_mask, **kwargs):
+            store[module.layer_idx] = (query.detach()[0], key.detach()[0], value.detach()[0],
+                                       kwargs.get("scaling"), kwargs.get("sliding_window"))
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return wrapper
+
+    with _wrapped_attention(model, wrap, "attention capture"):
+        yield
+
+
+@contextmanager
+def _wrapped_attention(model, wrap, purpose: str):
+    """Replace `model`'s registered attention function by ``wrap(original)`` for a while.
+
+    transformers looks the function up by name at every forward, so swapping the
+    registry entry changes the model's attention without forking its code."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     impl = getattr(model.config, "_attn_implementation", None)
     if impl in (None, "eager") or impl not in ALL_ATTENTION_FUNCTIONS:
-        raise RuntimeError(f"attention capture needs a registered attention function, not {impl!r}")
+        raise RuntimeError(f"{purpose} needs a registered attention function, not {impl!r}")
     original = ALL_ATTENTION_FUNCTIONS[impl]
     had_local = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
-
-    def wrapper(module, query, key, value, attention_mask, **kwargs):
-        store[module.layer_idx] = (query.detach()[0], key.detach()[0], value.detach()[0],
-                                   kwargs.get("scaling"), kwargs.get("sliding_window"))
-        return original(module, query, key, value, attention_mask, **kwargs)
-
-    ALL_ATTENTION_FUNCTIONS[impl] = wrapper
+    ALL_ATTENTION_FUNCTIONS[impl] = wrap(original)
     try:
         yield
     finally:
@@ -92,50 +103,38 @@ def context_temperature(model, start: int, end: int, temperature: float = 1.0, s
     """
     import math
 
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     if temperature <= 0 or scale <= 0:
         raise ValueError(f"temperature and scale must be > 0, got {temperature}, {scale}")
     if temperature == 1.0 and scale == 1.0:
         yield
         return
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl in (None, "eager") or impl not in ALL_ATTENTION_FUNCTIONS:
-        raise RuntimeError(f"context temperature needs a registered attention function, not {impl!r}")
-    original = ALL_ATTENTION_FUNCTIONS[impl]
-    had_local = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
     log_s = math.log(scale)
 
-    def wrapper(module, query, key, value, attention_mask, **kwargs):
-        kv_len, q_len = key.shape[2], query.shape[2]
-        if kwargs.get("sliding_window") or kv_len < end:
-            return original(module, query, key, value, attention_mask, **kwargs)
-        key = key.clone()
-        key[:, :, start:end] = key[:, :, start:end] / temperature
-        if attention_mask is None:  # the causal pattern sdpa would have used, as an additive mask
-            q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
-            allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
-        elif attention_mask.dtype == torch.bool:
-            allowed = attention_mask
-        else:
-            allowed = None
-        if allowed is not None:
-            mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-            mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
-        else:
-            mask = attention_mask.clone()
-        mask = mask.expand(*mask.shape[:-2], q_len, kv_len) if mask.dim() >= 2 else mask
-        while mask.dim() < 4:
-            mask = mask[None]
-        mask = mask.clone()
-        mask[..., start:end] += log_s
-        return original(module, query, key, value, mask, **kwargs)
+    def wrap(original):
+        def wrapper(module, query, key, value, attention_mask, **kwargs):
+            kv_len, q_len = key.shape[2], query.shape[2]
+            if kwargs.get("sliding_window") or kv_len < end:
+                return original(module, query, key, value, attention_mask, **kwargs)
+            key = key.clone()
+            key[:, :, start:end] = key[:, :, start:end] / temperature
+            if attention_mask is None:  # the causal pattern sdpa would have used, as an additive mask
+                q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+                allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
+            elif attention_mask.dtype == torch.bool:
+                allowed = attention_mask
+            else:
+                allowed = None
+            if allowed is not None:
+                mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+                mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
+            else:
+                mask = attention_mask
+            while mask.dim() < 4:
+                mask = mask[None]
+            mask = mask.expand(*mask.shape[:-2], q_len, kv_len).clone()
+            mask[..., start:end] += log_s
+            return original(module, query, key, value, mask, **kwargs)
+        return wrapper
 
-    ALL_ATTENTION_FUNCTIONS[impl] = wrapper
-    try:
+    with _wrapped_attention(model, wrap, "context temperature"):
         yield
-    finally:
-        if had_local:
-            ALL_ATTENTION_FUNCTIONS[impl] = original
-        else:
-            del ALL_ATTENTION_FUNCTIONS[impl]
