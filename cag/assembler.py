@@ -112,7 +112,7 @@ class Assembler:
             raise ValueError(f"recompute_select must be one of {RECOMPUTE_SELECT}, got {recompute_select!r}")
         if recompute_select == "question" and recompute_ratio > 0 and question_ids is None:
             raise ValueError("question-guided recompute needs the question's ids")
-        if recompute_select in ("source", "retriever") and positions is None:
+        if recompute_select in ("source", "retriever") and recompute_ratio > 0 and positions is None:
             raise ValueError(f"{recompute_select}-guided recompute needs the chosen positions")
         if recompute_select == "first_k" and first_k < 0:
             raise ValueError(f"first_k must be >= 0, got {first_k}")
@@ -133,7 +133,8 @@ class Assembler:
         if recompute_select == "first_k":
             given = first_k_positions([c.num_tokens for c in chunks], n_prefix, first_k)
         elif recompute_select in ("source", "retriever"):
-            given = torch.unique(positions.to(torch.long))
+            given = (torch.unique(positions.to(torch.long)) if positions is not None
+                     else torch.zeros(0, dtype=torch.long))
             if given.numel() and (given.min() < n_prefix or given.max() >= total):
                 raise ValueError(f"recompute positions must lie in the context [{n_prefix}, {total})")
         n_recompute = given.numel() if given is not None else round(recompute_ratio * (total - n_prefix))

@@ -82,8 +82,10 @@ def main(argv=None) -> int:
         print(f"gate_fidelity: {source} → {', '.join(targets)} ({len(items)} items) in {out}", file=sys.stderr)
         run_eval(items, out, store=store, source=source, targets=targets, methods=["auto"],
                  max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
-                 recompute_ratio=args.repair, recompute_select=args.repair_select)
-        rows = [json.loads(line) for line in (out / RESULTS).read_text().splitlines() if line.strip()]
+                 recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation")
+        wanted = {item.id for item in items}  # a resumed folder may hold more items than this run's
+        rows = [row for line in (out / RESULTS).read_text().splitlines() if line.strip()
+                for row in [json.loads(line)] if row["item"] in wanted]
         src_fp = registry.load(source, "auto").fingerprint
         for target in targets:
             mine = [r for r in rows if r["target"] == target]
