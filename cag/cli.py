@@ -636,25 +636,32 @@ def demo_cmd(
         print(json.dumps(report), flush=True)
         return
     gate = report["gate"]
+    rows = report["questions"]
+    unserved = any(r["unserved_path"] for r in rows)
     table = Table(title=f"cag demo: {report['source']} store, {report['target']} answers "
-                        f"(path: {gate['path']})", show_lines=True)
-    for col in ("question", "expected", "answer", "right", "path", "TTFT", "direct answer", "right",
-                "direct TTFT", "speedup"):
+                        f"(served path: {gate['path']})", show_lines=True)
+    columns = ["question", "expected", "answer", "right", "TTFT", "direct TTFT", "speedup"]
+    if unserved:
+        columns += [f"{rows[0]['unserved_path']} (not served)", "right", "TTFT"]
+    for col in columns:
         table.add_column(col, overflow="fold")
-    mark = {True: "[green]yes[/]", False: "[red]no[/]"}
-    for r in report["questions"]:
-        table.add_row(r["question"], r["expected"], r["answer"], mark[r["correct"]], r["path"],
-                      f"{r['ttft_s']:.2f} s", r["direct_answer"], mark[r["direct_correct"]],
-                      f"{r['direct_ttft_s']:.2f} s", f"{r['speedup']:.1f}×")
-    out.print(table)
-    out.print(f"right: {report['correct']}/{len(report['questions'])} on the {gate['path']} path, "
-              f"{report['direct_correct']}/{len(report['questions'])} with direct context. "
-              f"Gate: {gate['reason']}", highlight=False, soft_wrap=True)
+    mark = {True: "[green]yes[/]", False: "[red]no[/]", None: ""}
+    for r in rows:
+        cells = [r["question"], r["expected"], r["answer"], mark[r["correct"]], f"{r['ttft_s']:.2f} s",
+                 f"{r['direct_ttft_s']:.2f} s", f"{r['speedup']:.1f}×"]
+        if unserved:
+            cells += [r["unserved_answer"], mark[r["unserved_correct"]], f"{r['unserved_ttft_s']:.2f} s"]
+        table.add_row(*cells)
+    wide = Console(width=max(out.width, 150))  # a table a person reads, also when piped
+    wide.print(table)
+    wide.print(f"right: {report['correct']}/{len(rows)} on the served path ({gate['path']}), "
+               f"{report['direct_correct']}/{len(rows)} with direct context. Gate: {gate['reason']}",
+               highlight=False, soft_wrap=True)
     for rejected in gate["rejected"]:
-        out.print(f"  not served: {rejected['why']}", highlight=False, soft_wrap=True)
+        wide.print(f"  not served: {rejected['why']}", highlight=False, soft_wrap=True)
     b = report["build"]
-    out.print(f"build: {b['documents']} documents, {b['chunks']} chunks ({b['prefilled']} prefilled now, "
-              f"{b['reused']} reused) in {b['seconds']:.1f} s. {report['note']}.", highlight=False, soft_wrap=True)
+    wide.print(f"build: {b['documents']} documents, {b['chunks']} chunks ({b['prefilled']} prefilled now, "
+               f"{b['reused']} reused) in {b['seconds']:.1f} s. {report['note']}.", highlight=False, soft_wrap=True)
 
 
 def main() -> None:  # python -m cag.cli

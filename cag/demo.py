@@ -43,6 +43,12 @@ class DemoRow:
     direct_ttft_s: float
     speedup: float
     sources: list[str]
+    # When the gate serves direct context, what the fastest cached path it refused would have
+    # answered, and how fast: the speed it would buy and the quality it would cost, side by side.
+    unserved_path: str = ""
+    unserved_answer: str = ""
+    unserved_correct: bool | None = None
+    unserved_ttft_s: float | None = None
 
 
 def load_questions(path: Path) -> list[tuple[str, list[str]]]:
@@ -71,6 +77,11 @@ def is_correct(answer: str, answers: list[str]) -> bool:
     return bool(contains_answer(answer, answers))
 
 
+def _ttft(answer) -> float:
+    """Time to first token without retrieval (the same search for every path)."""
+    return answer.timings.first_token - answer.timings.retrieve
+
+
 def run_demo(*, store: Path, corpus: Path = DEFAULT_CORPUS, questions: Path = DEFAULT_QUESTIONS,
              source: str = "smollm2-135m", target: str = "qwen2.5-0.5b", top_k: int = 3,
              max_new_tokens: int = 24, log=lambda message: None) -> dict[str, Any]:
@@ -88,30 +99,43 @@ def run_demo(*, store: Path, corpus: Path = DEFAULT_CORPUS, questions: Path = DE
     log(f"cag demo: {summary.documents} documents, {summary.chunks} chunks, "
         f"{summary.chunks_prefilled} prefilled now, in {build['seconds']:.1f} s")
     ctx = CachedContext(store=store, target=target, top_k=top_k, max_new_tokens=max_new_tokens)
+    refused = None  # the fastest cached path the gate refused, served here only to show it
     try:
         log(f"cag demo: loading {target}; the quality gate chooses the serving path")
         decision = ctx.decision
         log(f"cag demo: path {decision.path!r}: {decision.reason}")
+        if decision.path == "direct" and decision.rejected:
+            refused = CachedContext(store=store, target=target, top_k=top_k, max_new_tokens=max_new_tokens,
+                                    min_retention=0.0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the gate's reason is reported once, above
             # One untimed query per path first: first-call costs (mapper load, kernels) are not TTFT.
-            ctx.answer(qs[0][0], max_new_tokens=1)
+            for c in (ctx, refused):
+                if c is not None:
+                    c.answer(qs[0][0], max_new_tokens=1)
             ctx.answer_direct(qs[0][0], max_new_tokens=1)
             rows = []
             for i, (question, answers) in enumerate(qs, 1):
                 hits = ctx.retrieve(question)
-                cached = ctx.answer(question, hits)
                 direct = ctx.answer_direct(question, hits)
-                ttft = cached.timings.first_token - cached.timings.retrieve
-                direct_ttft = direct.timings.first_token - direct.timings.retrieve
-                rows.append(DemoRow(question, answers[0], cached.text.strip(), is_correct(cached.text, answers),
-                                    cached.path, round(ttft, 4), direct.text.strip(),
-                                    is_correct(direct.text, answers), round(direct_ttft, 4),
-                                    round(direct_ttft / ttft, 2) if ttft > 0 else 0.0,
-                                    [h.doc_id for h in cached.sources]))
-                log(f"cag demo: {i}/{len(qs)} answered ({cached.path})")
+                # When the gate serves direct context, that *is* the answer: not run twice.
+                cached = direct if decision.path == "direct" else ctx.answer(question, hits)
+                ttft = _ttft(cached)
+                row = DemoRow(question, answers[0], cached.text.strip(), is_correct(cached.text, answers),
+                              decision.path, round(ttft, 4), direct.text.strip(), is_correct(direct.text, answers),
+                              round(_ttft(direct), 4), round(_ttft(direct) / ttft, 2) if ttft > 0 else 0.0,
+                              [h.doc_id for h in cached.sources])
+                if refused is not None:
+                    other = refused.answer(question, hits)
+                    row.unserved_path, row.unserved_answer = other.path, other.text.strip()
+                    row.unserved_correct = is_correct(other.text, answers)
+                    row.unserved_ttft_s = round(_ttft(other), 4)
+                rows.append(row)
+                log(f"cag demo: {i}/{len(qs)} answered ({decision.path})")
     finally:
         ctx.close()
+        if refused is not None:
+            refused.close()
     return {"store": str(store), "corpus": str(corpus), "source": source, "target": target,
             "gate": decision.to_dict(), "build": build, "questions": [asdict(r) for r in rows],
             "correct": sum(r.correct for r in rows), "direct_correct": sum(r.direct_correct for r in rows),
