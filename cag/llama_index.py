@@ -18,10 +18,21 @@ gone, and the text would be prefilled again. The classes here keep the keys:
   ``nodes=`` it answers the prompt from their caches, otherwise it is a plain
   local LLM (chat goes through `CustomLLM.chat` → `complete`).
 
-Anything that cannot be answered from the caches faithfully — nodes from another
-retriever (no chunk key) or nodes whose text a postprocessor changed — falls back
-to the ordinary text path (the text is prefilled) with a warning in the response
-metadata, never a silent answer from caches that do not match the text.
+Bring your own retriever: nodes from any other retriever (no chunk key), and
+nodes whose text a postprocessor changed, are found by content address instead
+(`CachedContext.ensure_chunks`: the key a build gives the same text). A miss is
+prefilled by the store's source model once and stored (write-through), so the next
+query hits; ``metadata["cache"]`` reports the query's hit rate. An existing
+LlamaIndex pipeline gains caching without rebuilding its index::
+
+    engine = RetrieverQueryEngine(retriever=index.as_retriever(),
+                                  response_synthesizer=make_synthesizer(ctx))
+    # or: ctx.as_query_engine(retriever=index.as_retriever())
+
+What cannot be answered from caches faithfully (``write_through=False``, or a store
+whose chunks cannot be reproduced here: `ChunkWriteError`) takes the ordinary text
+path (the text is prefilled) with a warning in the metadata, never a silent answer
+from caches that do not match the text.
 
 Only `llama_index.core` is imported at module import time; the runtime
 (`cag.context`, `stores`, the model registry, torch) is imported where it is used.
@@ -36,6 +47,7 @@ import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -88,7 +100,7 @@ if TYPE_CHECKING:  # the runtime stays out of `import cag.llama_index`
 __all__ = [
     "CHUNK_KEY", "DOC_ID", "START", "END", "TEXT_HASH", "HIDDEN_METADATA_KEYS",
     "CachedContextRetriever", "CachedContextLLM", "CachedContextSynthesizer",
-    "hit_to_node", "node_id_for", "nodes_to_hits",
+    "NodeCaches", "hit_to_node", "node_id_for", "nodes_to_hits", "resolve_nodes",
     "make_retriever", "make_llm", "make_synthesizer", "make_query_engine", "documents_to_context",
 ]
 
@@ -157,25 +169,16 @@ def nodes_to_hits(nodes: Sequence[NodeWithScore | BaseNode]) -> tuple[list[Hit] 
     A node whose text differs from what the retriever returned (a postprocessor
     rewrote or trimmed it) is not cacheable: its KV cache encodes the old text.
     """
-    from stores.index import Hit  # faiss/numpy: only when nodes are really mapped
-
     hits: list[Hit] = []
     missing = edited = 0
     for item in nodes:
-        node = item.node if isinstance(item, NodeWithScore) else item
-        score = item.score if isinstance(item, NodeWithScore) else None
-        meta = node.metadata or {}
-        text = node.get_content(metadata_mode=MetadataMode.NONE)
-        if not meta.get(CHUNK_KEY) or meta.get(DOC_ID) is None:
+        hit, why = _keyed_hit(item)
+        if hit is not None:
+            hits.append(hit)
+        elif why == "missing":
             missing += 1
-            continue
-        if meta.get(TEXT_HASH) is not None and meta[TEXT_HASH] != _text_hash(text):
+        else:
             edited += 1
-            continue
-        hits.append(Hit(key=str(meta[CHUNK_KEY]), score=float(score if score is not None else 0.0),
-                        doc_id=str(meta[DOC_ID]), text=text,
-                        start=int(meta.get(START, node.start_char_idx or 0)),
-                        end=int(meta.get(END, node.end_char_idx or len(text)))))
     if not missing and not edited:
         return hits, None
     reasons = []
@@ -189,23 +192,126 @@ def nodes_to_hits(nodes: Sequence[NodeWithScore | BaseNode]) -> tuple[list[Hit] 
                   + "; ".join(reasons))
 
 
-def _answer_metadata(answer: Answer) -> dict[str, Any]:
+def _unpack(item: NodeWithScore | BaseNode) -> tuple[BaseNode, float | None]:
+    return (item.node, item.score) if isinstance(item, NodeWithScore) else (item, None)
+
+
+def _keyed_hit(item: NodeWithScore | BaseNode) -> tuple[Hit | None, str]:
+    """The `Hit` a node from `CachedContextRetriever` names, or why it names none
+    ("missing": no chunk key; "edited": its text is no longer its chunk's)."""
+    from stores.index import Hit  # faiss/numpy: only when nodes are really mapped
+
+    node, score = _unpack(item)
+    meta = node.metadata or {}
+    text = node.get_content(metadata_mode=MetadataMode.NONE)
+    if not meta.get(CHUNK_KEY) or meta.get(DOC_ID) is None:
+        return None, "missing"
+    if meta.get(TEXT_HASH) is not None and meta[TEXT_HASH] != _text_hash(text):
+        return None, "edited"
+    return Hit(key=str(meta[CHUNK_KEY]), score=float(score if score is not None else 0.0),
+               doc_id=str(meta[DOC_ID]), text=text,
+               start=int(meta.get(START, node.start_char_idx or 0)),
+               end=int(meta.get(END, node.end_char_idx or len(text)))), ""
+
+
+def _cache_stats(nodes: int, hits: int, prefilled: int, prefill_s: float = 0.0) -> dict[str, Any]:
+    """``metadata["cache"]``: of the query's nodes, how many chunk caches were in the store
+    (hits) and how many were prefilled now (write-through misses)."""
+    return {"nodes": nodes, "hits": hits, "prefilled": prefilled,
+            "hit_rate": hits / nodes if nodes else 0.0, "prefill_s": prefill_s}
+
+
+@dataclass
+class NodeCaches:
+    """The nodes of one query mapped to cached chunks (`resolve_nodes`)."""
+
+    hits: list[Hit] | None  # None: answer from the text (see `warning`)
+    warning: str | None  # why the text path, when it is taken
+    cache: dict[str, Any]  # `_cache_stats`
+    notes: list[str] = field(default_factory=list)  # for the answer's warnings
+    node_ids: dict[Any, str] = field(default_factory=dict)  # Hit -> the node id it came from
+
+
+def resolve_nodes(ctx: CachedContext, nodes: Sequence[NodeWithScore | BaseNode], *,
+                  write_through: bool = True) -> NodeCaches:
+    """Map any retriever's nodes to `Hit`s over the store's chunk caches.
+
+    Nodes from `CachedContextRetriever` name their chunk (a hit: that index lists only
+    stored chunks) and are used as they are, with no store look-up. Every other node,
+    and one whose text was changed after retrieval, is found by content address with
+    `CachedContext.ensure_chunks`; a miss is prefilled once and stored (write-through),
+    so the next query on that node hits. Its `Hit` carries the node's text, its
+    ``ref_doc_id`` (or node id) as document and its character span.
+
+    With ``write_through=False`` such nodes are not looked up and the whole query
+    takes the text path (all or nothing: answering from the keyed part alone would
+    silently drop context), as it does when the store's chunks cannot be reproduced
+    here (`ChunkWriteError`).
+    """
+    from stores.index import Hit
+
+    n = len(nodes)
+    keyed = [_keyed_hit(item)[0] for item in nodes]
+    if all(h is not None for h in keyed):
+        return NodeCaches(keyed, None, _cache_stats(n, n, 0),  # type: ignore[arg-type]
+                          node_ids={h: _unpack(item)[0].node_id for h, item in zip(keyed, nodes)})
+    _, warning = nodes_to_hits(nodes)
+    if not write_through:
+        return NodeCaches(None, warning, _cache_stats(n, 0, 0))
+
+    from cag.context import ChunkWriteError
+
+    foreign = [i for i, h in enumerate(keyed) if h is None]
+    texts = [_unpack(nodes[i])[0].get_content(metadata_mode=MetadataMode.NONE) for i in foreign]
+    try:
+        lookup = ctx.ensure_chunks(texts)
+    except ChunkWriteError as exc:
+        return NodeCaches(None, f"answered from the prefilled node text, not from KV caches: {exc}",
+                          _cache_stats(n, 0, 0))
+    hits: list[Hit] = []
+    node_ids: dict[Any, str] = {}
+    by_index = dict(zip(foreign, zip(lookup.keys, texts)))
+    for i, item in enumerate(nodes):
+        node, score = _unpack(item)
+        hit = keyed[i]
+        if hit is None:
+            key, text = by_index[i]
+            if key is None:  # no tokens, no chunk (named in lookup.notes)
+                continue
+            start = node.start_char_idx or 0
+            end = node.end_char_idx if node.end_char_idx is not None else start + len(text)
+            hit = Hit(key=key, score=float(score if score is not None else 0.0),
+                      doc_id=str(node.ref_doc_id or node.node_id), text=text, start=start, end=end)
+        hits.append(hit)
+        node_ids.setdefault(hit, node.node_id)
+    cache = _cache_stats(n, n - len(foreign) + lookup.found, lookup.prefilled, lookup.prefill_s)
+    return NodeCaches(hits, None, cache, list(lookup.notes), node_ids)
+
+
+def _answer_metadata(answer: Answer, resolved: NodeCaches | None = None) -> dict[str, Any]:
     """What a cached answer reports beside its text (response and completion metadata)."""
-    return {
+    ids = resolved.node_ids if resolved is not None else {}
+    meta = {
         "mode": "cached",
         "timings": answer.timings.to_dict(),
         "context_tokens": answer.context_tokens,
-        "warnings": list(answer.warnings),
+        "warnings": list(answer.warnings) + (resolved.notes if resolved is not None else []),
         "mapper": answer.mapper,
         # the chunks the answer was given (the context may drop some: window, corrupt entries)
-        "used_node_ids": [node_id_for(hit) for hit in answer.sources],
+        "used_node_ids": [ids.get(hit) or node_id_for(hit) for hit in answer.sources],
     }
+    if resolved is not None:
+        meta["cache"] = dict(resolved.cache)
+    return meta
 
 
-def _text_metadata(warning: str | None) -> dict[str, Any]:
+def _text_metadata(warning: str | None, resolved: NodeCaches | None = None) -> dict[str, Any]:
     """The same keys for an answer that prefilled the text (no cache timings to report)."""
-    return {"mode": "text", "timings": None, "context_tokens": None,
+    meta = {"mode": "text", "timings": None, "context_tokens": None,
             "warnings": [warning] if warning else [], "mapper": None}
+    if resolved is not None:
+        meta["cache"] = dict(resolved.cache)
+    return meta
 
 
 def _context_str(nodes: Sequence[NodeWithScore | BaseNode]) -> list[str]:
@@ -265,14 +371,17 @@ class CachedContextLLM(CustomLLM):
                                           "window in tokens; None: the context's.")
     max_new_tokens: Optional[int] = Field(default=None, gt=0,
                                           description="Tokens to generate; None: the context's setting.")
+    write_through: bool = Field(default=True, description="Nodes without a cag chunk key: find their "
+                                "caches by content address, prefilling and storing misses (False: "
+                                "prefill their text for this answer only).")
 
     _ctx: Any = PrivateAttr()
 
     def __init__(self, ctx: CachedContext, *, max_new_tokens: int | None = None,
                  model_name: str | None = None, context_window: int | None = None,
-                 **kwargs: Any) -> None:
+                 write_through: bool = True, **kwargs: Any) -> None:
         super().__init__(model_name=model_name, context_window=context_window,
-                         max_new_tokens=max_new_tokens, **kwargs)
+                         max_new_tokens=max_new_tokens, write_through=write_through, **kwargs)
         self._ctx = ctx
 
     @classmethod
@@ -298,22 +407,27 @@ class CachedContextLLM(CustomLLM):
             return self.completion_to_prompt(prompt)
         return prompt
 
+    def _resolve(self, kwargs: dict[str, Any]) -> NodeCaches | None:
+        """The ``nodes`` mapped to caches, once: the synthesizer hands over what it resolved."""
+        resolved = kwargs.get(_RESOLVED)
+        if resolved is None and kwargs.get("nodes"):
+            resolved = resolve_nodes(self._ctx, kwargs["nodes"], write_through=self.write_through)
+        return resolved
+
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer `prompt`; from the caches of ``nodes`` when they are given."""
         budget = self._budget(kwargs)
-        nodes = kwargs.get("nodes")
-        if nodes:
-            hits, warning = nodes_to_hits(nodes)
-            if hits is not None:
-                answer = self._ctx.answer(prompt, hits, max_new_tokens=budget)
+        resolved = self._resolve(kwargs)
+        if resolved is not None:
+            if resolved.hits is not None:
+                answer = self._ctx.answer(prompt, resolved.hits, max_new_tokens=budget)
                 return CompletionResponse(text=answer.text, raw=answer,
-                                          additional_kwargs=_answer_metadata(answer))
-            prompt, formatted = _qa_prompt(DEFAULT_TEXT_QA_PROMPT, prompt, _context_str(nodes)), False
-        else:
-            warning = None
+                                          additional_kwargs=_answer_metadata(answer, resolved))
+            prompt, formatted = _qa_prompt(DEFAULT_TEXT_QA_PROMPT, prompt, _context_str(kwargs["nodes"])), False
         text = self._ctx.complete_text(self._plain_prompt(prompt, formatted), max_new_tokens=budget)
-        return CompletionResponse(text=text, additional_kwargs=_text_metadata(warning))
+        return CompletionResponse(text=text, additional_kwargs=_text_metadata(
+            resolved.warning if resolved else None, resolved))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -324,24 +438,24 @@ class CachedContextLLM(CustomLLM):
         which are only known once generation has finished.
         """
         budget = self._budget(kwargs)
-        nodes = kwargs.get("nodes")
-        hits, warning = nodes_to_hits(nodes) if nodes else (None, None)
-        if hits is not None:
-            return self._stream_cached(prompt, hits, budget)
-        if nodes:
-            prompt, formatted = _qa_prompt(DEFAULT_TEXT_QA_PROMPT, prompt, _context_str(nodes)), False
+        resolved = self._resolve(kwargs)
+        if resolved is not None and resolved.hits is not None:
+            return self._stream_cached(prompt, resolved, budget)
+        if resolved is not None:
+            prompt, formatted = _qa_prompt(DEFAULT_TEXT_QA_PROMPT, prompt, _context_str(kwargs["nodes"])), False
         pieces = self._ctx.stream_text(self._plain_prompt(prompt, formatted), max_new_tokens=budget)
+        closing = _text_metadata(resolved.warning if resolved else None, resolved)
 
         def gen() -> CompletionResponseGen:
             text = ""
             for piece in pieces:
                 text += piece
                 yield CompletionResponse(text=text, delta=piece)
-            yield CompletionResponse(text=text, delta="", additional_kwargs=_text_metadata(warning))
+            yield CompletionResponse(text=text, delta="", additional_kwargs=closing)
 
         return gen()
 
-    def _stream_cached(self, question: str, hits: list[Hit], budget: int | None) -> CompletionResponseGen:
+    def _stream_cached(self, question: str, resolved: NodeCaches, budget: int | None) -> CompletionResponseGen:
         """Stream `ctx.stream` and close with the `Answer` of *this* stream.
 
         `ctx.last_answer` is shared by all threads using the context. This stream's
@@ -352,7 +466,7 @@ class CachedContextLLM(CustomLLM):
         """
         ctx = self._ctx
         before = ctx.last_answer
-        pieces = ctx.stream(question, hits, max_new_tokens=budget)
+        pieces = ctx.stream(question, resolved.hits, max_new_tokens=budget)
 
         def gen() -> CompletionResponseGen:
             text, mine = "", None
@@ -369,9 +483,14 @@ class CachedContextLLM(CustomLLM):
                 yield CompletionResponse(text=text, delta=piece)
             answer = mine if mine is not None else ctx.last_answer
             yield CompletionResponse(text=answer.text, delta="", raw=answer,
-                                     additional_kwargs=_answer_metadata(answer))
+                                     additional_kwargs=_answer_metadata(answer, resolved))
 
         return gen()
+
+
+# The completion keyword the synthesizer passes its `NodeCaches` in, so that the nodes are
+# looked up (and misses prefilled) once per query, not again inside the LLM.
+_RESOLVED = "cag_node_caches"
 
 
 def _qa_prompt(template: BasePromptTemplate, question: str, chunks: Sequence[str]) -> str:
@@ -391,22 +510,27 @@ class CachedContextSynthesizer(BaseSynthesizer):
     callback event and instrumentation events nest inside as they would for any
     synthesizer.
 
+    Any retriever's nodes work (see `resolve_nodes`): a stock pipeline gains caching
+    with ``RetrieverQueryEngine(retriever=its_retriever, response_synthesizer=this)``.
+
     Response metadata: ``mode`` ("cached" or "text"), ``timings`` (seconds, per
-    stage), ``context_tokens``, ``warnings``, ``mapper`` and ``used_node_ids`` (the
+    stage), ``context_tokens``, ``warnings``, ``mapper``, ``used_node_ids`` (the
     nodes whose chunks the answer was given: the context may drop some, e.g. to
-    fit the target's window, and says so in ``warnings``). When streaming, the
-    metadata dict is filled in once the stream has been consumed.
+    fit the target's window, and says so in ``warnings``) and ``cache``: the
+    query's ``nodes``, ``hits`` (chunk caches found in the store), ``prefilled``
+    (misses prefilled and stored now), ``hit_rate`` (hits / nodes) and ``prefill_s``.
+    When streaming, the metadata dict is filled in once the stream has been consumed.
     """
 
     def __init__(self, ctx: CachedContext, *, llm: CachedContextLLM | None = None,
                  callback_manager: CallbackManager | None = None, streaming: bool = False,
                  max_new_tokens: int | None = None, text_qa_template: BasePromptTemplate | None = None,
-                 empty_response: str | None = None) -> None:
+                 empty_response: str | None = None, write_through: bool = True) -> None:
         if llm is not None and not isinstance(llm, CachedContextLLM):
             # Another LLM would receive `nodes=` it does not understand, or ignore them.
             raise TypeError("CachedContextSynthesizer answers through a CachedContextLLM, "
                             f"not a {type(llm).__name__}")
-        llm = llm or CachedContextLLM(ctx, max_new_tokens=max_new_tokens)
+        llm = llm or CachedContextLLM(ctx, max_new_tokens=max_new_tokens, write_through=write_through)
         # The base class sizes prompt helpers from `llm.metadata`, which would load the
         # target model now. This synthesizer never repacks text (the cached path has
         # no prompt to pack), so default helpers stand in for them.
@@ -416,6 +540,7 @@ class CachedContextSynthesizer(BaseSynthesizer):
         self._ctx = ctx
         self._max_new_tokens = max_new_tokens
         self._text_qa_template = text_qa_template or DEFAULT_TEXT_QA_PROMPT
+        self._write_through = write_through
 
     @property
     def ctx(self) -> CachedContext:
@@ -463,15 +588,15 @@ class CachedContextSynthesizer(BaseSynthesizer):
 
     def _respond(self, query_str: str, nodes: list[NodeWithScore], source_nodes: list[NodeWithScore],
                  response_kwargs: dict[str, Any]) -> Response | StreamingResponse:
-        hits, warning = nodes_to_hits(nodes)
-        if hits is None:
+        resolved = resolve_nodes(self._ctx, nodes, write_through=self._write_through)
+        if resolved.hits is None:
             response_str = self.get_response(query_str, _context_str(nodes), **response_kwargs)
-            metadata = _text_metadata(warning)
+            metadata = _text_metadata(resolved.warning, resolved)
             if isinstance(response_str, str):
                 return Response(response_str, source_nodes=source_nodes, metadata=metadata)
             return StreamingResponse(response_str, source_nodes=source_nodes, metadata=metadata)
 
-        kwargs = self._llm_kwargs(response_kwargs)
+        kwargs = {**self._llm_kwargs(response_kwargs), _RESOLVED: resolved}
         if not self._streaming:
             completion = self._llm.complete(query_str, nodes=nodes, **kwargs)
             return Response(completion.text, source_nodes=source_nodes,
@@ -604,32 +729,40 @@ def make_retriever(ctx: CachedContext, top_k: int | None = None, *,
 
 
 def make_llm(ctx: CachedContext, *, max_new_tokens: int | None = None,
-             callback_manager: CallbackManager | None = None) -> CachedContextLLM:
+             callback_manager: CallbackManager | None = None, write_through: bool = True) -> CachedContextLLM:
     """`ctx.as_llm()`: the target model as a LlamaIndex LLM (e.g. for ``Settings.llm``)."""
     kwargs: dict[str, Any] = {"callback_manager": callback_manager} if callback_manager else {}
-    return CachedContextLLM(ctx, max_new_tokens=max_new_tokens, **kwargs)
+    return CachedContextLLM(ctx, max_new_tokens=max_new_tokens, write_through=write_through, **kwargs)
 
 
 def make_synthesizer(ctx: CachedContext, *, streaming: bool = False, max_new_tokens: int | None = None,
-                     callback_manager: CallbackManager | None = None) -> CachedContextSynthesizer:
-    """A response synthesizer that answers from the caches (for custom query engines)."""
+                     callback_manager: CallbackManager | None = None,
+                     write_through: bool = True) -> CachedContextSynthesizer:
+    """A response synthesizer that answers from the caches, over any retriever's nodes:
+    ``RetrieverQueryEngine(retriever=your_retriever, response_synthesizer=make_synthesizer(ctx))``."""
     return CachedContextSynthesizer(ctx, streaming=streaming, max_new_tokens=max_new_tokens,
-                                    callback_manager=callback_manager)
+                                    callback_manager=callback_manager, write_through=write_through)
 
 
 def make_query_engine(ctx: CachedContext, streaming: bool = False, top_k: int | None = None, *,
-                      max_new_tokens: int | None = None,
+                      retriever: BaseRetriever | None = None, max_new_tokens: int | None = None,
                       node_postprocessors: list[BaseNodePostprocessor] | None = None,
-                      callback_manager: CallbackManager | None = None) -> RetrieverQueryEngine:
-    """`ctx.as_query_engine()`: a stock `RetrieverQueryEngine` with the cached retriever
-    and synthesizer, so postprocessors, callbacks and tracing compose as usual.
+                      callback_manager: CallbackManager | None = None,
+                      write_through: bool = True) -> RetrieverQueryEngine:
+    """`ctx.as_query_engine()`: a stock `RetrieverQueryEngine` with the cached synthesizer
+    and the store's own retriever, or yours (``retriever=index.as_retriever()``: an
+    existing index gains caching without being rebuilt; `top_k` is then the retriever's
+    business), so postprocessors, callbacks and tracing compose as usual.
 
-    Postprocessors that filter or re-rank keep the cached path; ones that rewrite
-    node text send that query down the text path (with a warning in the metadata).
+    Postprocessors that filter or re-rank keep the cached path; a node whose text one
+    rewrites is found by its new text's content address (prefilled once on a miss).
     """
-    retriever = make_retriever(ctx, top_k=top_k, callback_manager=callback_manager)
+    if retriever is not None and top_k is not None:
+        raise ValueError("top_k sets the store's own retriever; set your retriever's own "
+                         "(e.g. index.as_retriever(similarity_top_k=...))")
+    retriever = retriever or make_retriever(ctx, top_k=top_k, callback_manager=callback_manager)
     synthesizer = make_synthesizer(ctx, streaming=streaming, max_new_tokens=max_new_tokens,
-                                   callback_manager=callback_manager)
+                                   callback_manager=callback_manager, write_through=write_through)
     return RetrieverQueryEngine(retriever=retriever, response_synthesizer=synthesizer,
                                 node_postprocessors=node_postprocessors,
                                 callback_manager=callback_manager)
