@@ -30,7 +30,7 @@ def _word_in(value: str, text: str) -> bool:
 
 
 def test_registry_names():
-    assert set(DATASETS) == {"synthetic-kb", "needle", "essay-qa"}
+    assert set(DATASETS) == {"synthetic-kb", "needle", "essay-qa", "calib-lookup"}
     with pytest.raises(ValueError, match="unknown dataset"):
         get_dataset("nope")
 

@@ -1,0 +1,46 @@
+"""Calibration-side lookup items: reproducible, well-formed, and disjoint from every evaluation set."""
+
+import re
+
+from eval import datasets as ds
+from eval.calibration_lookup import _FACTS, calibration_lookup, calibration_needles
+
+
+def names(text):
+    return {w.strip(".,?") for w in text.split() if w[:1].isupper()}
+
+
+def test_reproducible_from_the_seed():
+    a, b = calibration_lookup(seed=3), calibration_lookup(seed=3)
+    assert [i.to_json() for i in a] == [i.to_json() for i in b]
+    assert [i.to_json() for i in a] != [i.to_json() for i in calibration_lookup(seed=4)]
+    assert [i.to_json() for i in calibration_needles(seed=1)] == [i.to_json() for i in calibration_needles(seed=1)]
+
+
+def test_each_answer_is_in_its_gold_document_and_distractors_exist():
+    items = calibration_lookup()
+    assert len(items) == 60
+    docs = {d.id: d.text for d in items[0].documents}
+    for item in items:
+        assert item.answers[0] in docs[item.meta["gold_doc"]], item
+    assert sum(i.meta["n_distractors_same_fact"] > 0 for i in items) > 40
+
+
+def test_disjoint_from_evaluation_sets():
+    calib_text = " ".join(d.text for d in calibration_lookup()[0].documents)
+    calib_questions = {i.question for i in calibration_lookup()}
+    for seed in range(3):
+        kb = ds.synthetic_kb(seed=seed)
+        kb_text = " ".join(d.text for d in kb[0].documents)
+        shared = (names(calib_text) & names(kb_text)) - {"The", "Its", "It", "Her", "Today", "Comet"}
+        assert not shared, shared
+        assert not calib_questions & {i.question for i in kb}
+    # No calibration question template is a synthetic-kb or needle template.
+    kb_templates = set(ds._QUESTIONS.values()) | {q for _, q, _ in ds._NEEDLE_TEMPLATES}
+    assert not kb_templates & {q for _, q in _FACTS.values()}
+    # Needles are planted in calibration essays only: never in an essay the evaluation reads.
+    evaluation = " ".join(ds.normalize_ws(ds.essay_text(e)) for e in ds.evaluation_essays())
+    for item in calibration_needles(n=4):
+        window = item.documents[0].text
+        planted = next(s for s in re.split(r"(?<=\.) ", window) if item.answers[0] in s)
+        assert planted not in evaluation
