@@ -18,6 +18,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "KVChunk": ("cag.kv", "KVChunk"),
     "CachedContext": ("cag.context", "CachedContext"),
     "Answer": ("cag.context", "Answer"),
+    "Router": ("cag.router", "Router"),
+    "RouterPolicy": ("cag.router", "RouterPolicy"),
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from cag.context import Answer, CachedContext
     from cag.kv import KVChunk
     from cag.models.registry import load as load_model
+    from cag.router import Router, RouterPolicy
 
 
 def __getattr__(name: str) -> Any:
