@@ -286,7 +286,7 @@ def test_filtering_postprocessor_keeps_the_cached_path(fake):
 
 
 def test_rewriting_postprocessor_falls_back_to_text_with_a_warning(fake):
-    response = make_query_engine(fake, node_postprocessors=[_Rewrite()]).query("q")
+    response = make_query_engine(fake, node_postprocessors=[_Rewrite()], write_through=False).query("q")
     assert not fake.called("answer")
     [(prompt, _)] = fake.called("complete_text")
     assert "(rewritten)" in prompt
@@ -294,7 +294,7 @@ def test_rewriting_postprocessor_falls_back_to_text_with_a_warning(fake):
 
 
 def test_synthesizer_with_foreign_nodes_uses_the_text_path(fake):
-    synth = CachedContextSynthesizer(fake)
+    synth = CachedContextSynthesizer(fake, write_through=False)
     response = synth.synthesize("what is gamma?", foreign_nodes())
     assert not fake.called("answer")
     [(prompt, _)] = fake.called("complete_text")
@@ -304,7 +304,7 @@ def test_synthesizer_with_foreign_nodes_uses_the_text_path(fake):
 
 
 def test_synthesizer_streaming_text_path(fake):
-    response = CachedContextSynthesizer(fake, streaming=True).synthesize("q", foreign_nodes())
+    response = CachedContextSynthesizer(fake, streaming=True, write_through=False).synthesize("q", foreign_nodes())
     assert isinstance(response, StreamingResponse)
     assert "".join(response.response_gen) == "plain stream"
     assert fake.called("stream_text") and not fake.called("stream")
@@ -361,7 +361,7 @@ def test_llm_complete_without_nodes_is_plain(fake):
 
 
 def test_llm_complete_with_foreign_nodes_prefills_their_text(fake):
-    response = make_llm(fake).complete("what is gamma?", nodes=foreign_nodes())
+    response = make_llm(fake, write_through=False).complete("what is gamma?", nodes=foreign_nodes())
     [(prompt, _)] = fake.called("complete_text")
     assert "Gamma is third." in prompt and "what is gamma?" in prompt
     assert "no 'chunk_key'" in response.additional_kwargs["warnings"][0]
