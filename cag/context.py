@@ -455,9 +455,7 @@ class CachedContext(BaseModel):
         warnings.warn(decision.reason, stacklevel=4)
         t0 = time.perf_counter()
         timings = Timings()
-        if hits is None:
-            hits = self.retrieve(question)
-            timings.retrieve = time.perf_counter() - t0
+        hits = self._retrieved(question, hits, timings, t0)
         lm, asm = self._ready_target()
         hits = self._order(hits)
         context_ids = [lm.tokenize(h.text)[0] for h in hits]
@@ -669,6 +667,13 @@ class CachedContext(BaseModel):
     def answer_without_context(self, question: str, *, max_new_tokens: int | None = None) -> Answer:
         return self._answer_from_text(question, [], max_new_tokens, with_context=False)
 
+    def _retrieved(self, question: str, hits, timings: Timings, t0: float) -> list[Any]:
+        """`hits` as given, or retrieved now for `question` (timed into `timings.retrieve`)."""
+        if hits is None:
+            hits = self.retrieve(question)
+            timings.retrieve = time.perf_counter() - t0
+        return hits
+
     def _answer_from_text(self, question, hits, max_new_tokens, *, with_context: bool) -> Answer:
         import torch
         from transformers import DynamicCache
@@ -677,9 +682,7 @@ class CachedContext(BaseModel):
 
         t0 = time.perf_counter()
         timings = Timings()
-        if hits is None:
-            hits = self.retrieve(question)
-            timings.retrieve = time.perf_counter() - t0
+        hits = self._retrieved(question, hits, timings, t0)
         lm, asm = self._ready_target()
         hits = self._order(hits) if with_context else []
         context_ids = [lm.tokenize(h.text)[0] for h in hits]
