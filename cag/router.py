@@ -412,6 +412,11 @@ class Router(BaseModel):
     def last_answer(self) -> RoutedAnswer | None:
         return self._last_answer
 
+    def ensure_chunks(self, texts: list[str]):
+        """Find (or write through) the chunk caches of nodes from any retriever: the store's own,
+        so the small model's context does it (see `CachedContext.ensure_chunks`)."""
+        return self.small_context.ensure_chunks(texts)
+
     def retrieve(self, question: str, top_k: int | None = None) -> list[Any]:
         return self.small_context.retrieve(question, top_k)
 

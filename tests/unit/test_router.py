@@ -234,3 +234,11 @@ def test_calibration_rule_picks_the_best_threshold_within_the_escalation_cap():
     assert point["escalated"] == 0.25 and point["found"] == 0.75 and -2.5 < point["threshold"] < -1.5
     # no escalation allowed: never escalate
     assert choose(rows, max_escalation=0.0)[1]["threshold"] == -math.inf
+
+
+def test_router_finds_other_retrievers_nodes_through_the_store(kb):
+    """A stock retriever's node text maps to the store's chunk by content address (write-through)."""
+    router = make(kb)
+    hit = router.retrieve("tower of Velmora")[0]
+    lookup = router.ensure_chunks([hit.text])
+    assert lookup.keys == [hit.key] and lookup.found == 1 and lookup.prefilled == 0
