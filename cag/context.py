@@ -277,7 +277,7 @@ class CachedContext(BaseModel):
     @property
     def decision(self) -> GateDecision:
         """The gate's choice of serving path for this store's source and this target (see `cag.gate`)."""
-        from cag.gate import choose_path, native_fidelity, translated_fidelity
+        from cag.gate import PathFidelity, choose_path, native_fidelity, translated_fidelity
         from cag.mapping import MapperNotFoundError
 
         with self._setup_lock:
@@ -291,10 +291,12 @@ class CachedContext(BaseModel):
             except MapperNotFoundError as exc:
                 if self.fallback == "raise":
                     raise
-                mapper, missing = None, str(exc).split(". ")[0]
-            if mapper is None:
-                candidates = []
-            elif mapper.method == "identity":
+                missing = str(exc).split(". ")[0]
+                decision = GateDecision("direct", PathFidelity("direct"), missing + ": prefilling the text",
+                                        (("translated", missing),))
+                self._decision = (source.id, decision)
+                return decision
+            if mapper.method == "identity":
                 candidates = [native_fidelity(lm.fingerprint.id, lm.name),
                               native_fidelity(lm.fingerprint.id, lm.name, repair=True)]
             else:
@@ -307,9 +309,6 @@ class CachedContext(BaseModel):
                 candidates = [c for c in candidates if not c.path.endswith("+repair")
                               or (c.repair or {}) == {"ratio": self.recompute_ratio, "select": self.recompute_select}]
             decision = choose_path(candidates, self.min_retention, self.fallback)
-            if mapper is None:
-                decision = GateDecision("direct", decision.fidelity, missing + ": prefilling the text",
-                                        (("translated", missing),))
             self._decision = (source.id, decision)
             return decision
 
@@ -366,16 +365,15 @@ class CachedContext(BaseModel):
         """Everything before the question is read: retrieve, load, translate, place.
 
         Returns the placed cache and the question's ids; `stream` prefills the
-        question against it and decodes. `repair` (``{"ratio", "select"}``) overrides the
-        recompute settings: the gate's ``+repair`` paths pass what they were measured with. The evaluation harness uses this too,
-        so every condition it measures goes through the same path as a query.
+        question against it and decodes. The evaluation harness uses this too, so
+        every condition it measures goes through the same path as a query.
+        `repair` (``{"ratio", "select"}``) overrides the recompute settings: the gate's
+        ``+repair`` paths pass what they were measured with.
         """
         t0 = time.perf_counter()
         timings = Timings()
         notes: list[str] = []
-        if hits is None:
-            hits = self.retrieve(question)
-            timings.retrieve = time.perf_counter() - t0
+        hits = self._retrieved(question, hits, timings, t0)
         lm, mapper, asm = self._ready()
         if not hits:
             notes.append("no chunks were retrieved for this question; answering without context")
