@@ -54,7 +54,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
+import sys
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -270,16 +273,14 @@ class KVChunk:
         `expect_model`: refuse a chunk from any other model (`ForeignModelError`).
         `dtype`: cast K/V after decoding (e.g. ``torch.float32``); default keeps
         the storage dtype of a float chunk and gives bf16 for an 8-bit one.
+
+        The tensors of a float chunk decoded in its storage dtype are views on
+        `data` (no copy): treat them as read-only, and clone one before writing
+        to it in place.
         """
-        payload = _unframe(data)
-        try:
-            tensors = st_load(payload)
-        # Broad on purpose: the parser's only input is these bytes, so whatever it
-        # raises (SafetensorError, or a KeyError/AssertionError from safetensors'
-        # Python side for a dtype or shape torch cannot hold) means a bad payload.
-        except Exception as exc:
-            raise ChunkFormatError(f"payload is not valid safetensors: {exc!r}") from None
-        meta = read_metadata(payload)
+        data, start = _unframe_at(data)
+        tensors, header = _load_payload(data, start)
+        meta = _cag_metadata(header)
         if meta.get("format_version") != FORMAT_VERSION:
             raise ChunkFormatError(f"unknown chunk format version {meta.get('format_version')!r}")
         dtype_name = meta.get("dtype")
@@ -433,14 +434,13 @@ def read_metadata(data: bytes) -> dict[str, Any]:
     Used by store verification and listings, which need the fingerprint and
     settings of many chunks but not their tensors.
     """
-    payload = _unframe(data) if data[:8] == _MAGIC else data
-    if len(payload) < 8:
-        raise TruncatedChunkError("payload shorter than a safetensors header")
-    (header_len,) = struct.unpack("<Q", payload[:8])
-    if header_len > len(payload) - 8:
-        raise ChunkFormatError("safetensors header runs past the payload")
+    data, start = _unframe_at(data) if data[:8] == _MAGIC else (data, 0)
+    header, _ = _read_header(memoryview(data)[start:])
+    return _cag_metadata(header)
+
+
+def _cag_metadata(header: dict) -> dict[str, Any]:
     try:
-        header = json.loads(payload[8 : 8 + header_len])
         meta = json.loads(header["__metadata__"]["cag"])
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ChunkFormatError(f"chunk metadata unreadable: {exc!r}") from None
@@ -449,10 +449,101 @@ def read_metadata(data: bytes) -> dict[str, Any]:
     return meta
 
 
-def _unframe(data: bytes) -> bytes:
+# torch warns (once) that a tensor made on a bytes object could write to immutable
+# memory; the decoded chunk's tensors are read-only by contract (`KVChunk.from_bytes`).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=r"cag\.kv")
+
+# safetensors' dtype names (its `Dtype` enum) of the types torch holds.
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _read_header(payload: memoryview) -> tuple[dict, int]:
+    """The JSON header of a safetensors payload and where its data section starts."""
+    if len(payload) < 8:
+        raise TruncatedChunkError("payload shorter than a safetensors header")
+    (header_len,) = struct.unpack_from("<Q", payload)
+    if header_len > len(payload) - 8:
+        raise ChunkFormatError("safetensors header runs past the payload")
+    try:
+        header = json.loads(bytes(payload[8 : 8 + header_len]))
+    except (ValueError, RecursionError) as exc:
+        raise ChunkFormatError(f"safetensors header unreadable: {exc!r}") from None
+    if not isinstance(header, dict):
+        raise ChunkFormatError("safetensors header is not an object")
+    return header, 8 + header_len
+
+
+def _load_payload(data: bytes, start: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of the safetensors payload at ``data[start:]`` as views on `data`, and its header.
+
+    Zero-copy: ``safetensors.torch.load`` copies every tensor out of the bytes (and
+    the payload had to be sliced out of the frame first); on the query path those two
+    copies cost as much as the checksum (eval/results/query_path.md). The header is
+    checked as safetensors' own parser checks it (`Metadata::validate`): known dtypes,
+    non-negative integer shapes, data offsets that tile the data section exactly in
+    order, and each tensor's byte length equal to its shape times its item size. The
+    tensors share `data`'s (immutable) memory, as the tensors of
+    ``safetensors.torch.load`` share the bytes objects it makes; nothing writes to them.
+    """
+    if sys.byteorder != "little":  # safetensors is little-endian; let the library swap bytes
+        payload = bytes(memoryview(data)[start:])
+        try:
+            return st_load(payload), _read_header(memoryview(payload))[0]
+        except Exception as exc:  # the parser's only input is these bytes: anything it raises means bad bytes
+            raise ChunkFormatError(f"payload is not valid safetensors: {exc!r}") from None
+    payload = memoryview(data)[start:]
+    header, body = _read_header(payload)
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise ChunkFormatError("safetensors __metadata__ is not a map of strings")
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            shape = [d for d in info["shape"] if _is_size(d)]
+            begin, end = info["data_offsets"]
+            if len(shape) != len(info["shape"]) or not (_is_size(begin) and _is_size(end)):
+                raise ValueError("sizes and offsets must be non-negative integers")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ChunkFormatError(f"payload is not valid safetensors: tensor {name!r}: {exc!r}") from None
+        entries.append((begin, end, name, dtype, shape))
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    for begin, end, name, dtype, shape in sorted(entries, key=lambda e: (e[0], e[1])):
+        count = math.prod(shape)
+        if begin != offset or end - begin != count * dtype.itemsize:
+            raise ChunkFormatError(f"payload is not valid safetensors: tensor {name!r} has data offsets "
+                                   f"[{begin}, {end}] where [{offset}, {offset + count * dtype.itemsize}] was due")
+        offset = end
+        if count == 0:  # frombuffer refuses an empty view
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=start + body + begin).view(shape)
+    if body + offset != len(payload):
+        raise ChunkFormatError(f"payload is not valid safetensors: its tensors cover {body + offset} of "
+                               f"{len(payload)} bytes")
+    return tensors, header
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unframe_at(data: bytes) -> tuple[bytes, int]:
+    """Check a frame (length, checksum) and return its bytes and where the payload starts.
+
+    The payload is hashed and later parsed where it lies in `data`: slicing it out
+    would copy every byte of it."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ChunkFormatError(f"a chunk is bytes, got {type(data).__name__}")
-    data = bytes(data)
+    data = bytes(data)  # no copy for bytes; the tensors may then share immutable memory only
     if len(data) < _HEADER.size:
         if _MAGIC.startswith(data[: len(_MAGIC)]):
             raise TruncatedChunkError(f"chunk has {len(data)} bytes, less than its {_HEADER.size}-byte frame header")
@@ -460,14 +551,14 @@ def _unframe(data: bytes) -> bytes:
     magic, length, digest = _HEADER.unpack_from(data)
     if magic != _MAGIC:
         raise ChunkFormatError("not a cag chunk (bad magic; another format or a newer frame version)")
-    payload = data[_HEADER.size :]
-    if len(payload) < length:
-        raise TruncatedChunkError(f"chunk payload has {len(payload)} of {length} bytes")
-    if len(payload) > length:
-        raise ChunkFormatError(f"chunk has {len(payload) - length} trailing bytes after its payload")
-    if hashlib.sha256(payload).digest() != digest:
+    size = len(data) - _HEADER.size
+    if size < length:
+        raise TruncatedChunkError(f"chunk payload has {size} of {length} bytes")
+    if size > length:
+        raise ChunkFormatError(f"chunk has {size - length} trailing bytes after its payload")
+    if hashlib.sha256(memoryview(data)[_HEADER.size :]).digest() != digest:
         raise ChecksumError("chunk payload does not match its checksum (corrupted bytes)")
-    return payload
+    return data, _HEADER.size
 
 
 def _validate_tensors(keys, values, token_ids, offsets, model: ModelFingerprint) -> None:
