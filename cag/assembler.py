@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from cag.kv import KVChunk, text_sha256
+from cag.models.adapters import concat_tokens
 from cag.models.loaded import LoadedModel
 from cag.models.prompt import PromptLayout
 from cag.models.prompt import head_ids as prompt_head_ids
@@ -121,12 +122,13 @@ class Assembler:
         for chunk in chunks:
             self.target.check_chunk(chunk)
         adapter, dtype = self.target.adapter, self.target.dtype
-        keys = torch.cat([c.keys for c in parts], dim=2).to(dtype)
-        values = torch.cat([c.values for c in parts], dim=2).to(dtype)
         context_ids = torch.cat([c.token_ids for c in parts])
         total = context_ids.numel()
         adapter.check_placement(total)
-        keys = adapter.rotate(keys, torch.arange(total))
+        # One buffer per kind for the whole sequence; keys are rotated in place in it.
+        keys = concat_tokens([c.keys for c in parts], dtype)
+        values = concat_tokens([c.values for c in parts], dtype)
+        adapter.rotate(keys, torch.arange(total), out=keys)
         n_prefix = parts[0].num_tokens
         recompute_started = time.perf_counter()
         given = None
@@ -223,10 +225,10 @@ class Assembler:
         for chunk in chunks:
             self.target.check_chunk(chunk)
         dtype = self.target.dtype
-        keys = torch.cat([c.keys for c in parts], dim=2).to(dtype)
-        values = torch.cat([c.values for c in parts], dim=2).to(dtype)
+        keys = concat_tokens([c.keys for c in parts], dtype)
+        values = concat_tokens([c.values for c in parts], dtype)
         total = keys.shape[2]
-        keys = self.target.adapter.rotate(keys, torch.arange(total))
+        self.target.adapter.rotate(keys, torch.arange(total), out=keys)
         with self.model_lock:
             return self.question_mass(keys, values, total, question_ids)
 

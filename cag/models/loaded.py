@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from cag.kv import ForeignModelError, KVChunk, ModelFingerprint, text_sha256
-from cag.models.adapters import FamilyAdapter, adapter_for
+from cag.models.adapters import FamilyAdapter, adapter_for, concat_tokens
 from cag.models.fingerprint import fingerprint, state_dict_hash
 from cag.models.prompt import head_ids, layout_for
 
@@ -222,15 +222,14 @@ class LoadedModel:
             raise ValueError("no chunks to place")
         for chunk in chunks:
             self.check_chunk(chunk)
-        keys = torch.cat([c.keys for c in chunks], dim=2)
-        values = torch.cat([c.values for c in chunks], dim=2)
-        total = keys.shape[2]
+        total = sum(c.num_tokens for c in chunks)
         self.adapter.check_placement(total)
+        keys = concat_tokens([c.keys for c in chunks], self.dtype)
+        values = concat_tokens([c.values for c in chunks], self.dtype)
         # transformers derives every later position from the cache's length, so
         # the cache covers positions 0..total-1: the shared prefix chunk goes first.
-        positions = torch.arange(total)
-        keys = self.adapter.rotate(keys.to(self.dtype), positions)
-        return self.adapter.fill_cache(keys, values.to(self.dtype))
+        self.adapter.rotate(keys, torch.arange(total), out=keys)
+        return self.adapter.fill_cache(keys, values)
 
     @staticmethod
     def context_ids(chunks: Sequence[KVChunk]) -> torch.Tensor:
