@@ -189,22 +189,32 @@ class LinearKVMapper(Mapper):
 
     @torch.no_grad()
     def _translate_batch(self, chunks: list[KVChunk], texts: list[str], target) -> list[KVChunk]:
+        """All chunks of one query at once: their feature rows are concatenated along the
+        tokens, so each kind is one projection (and one cast of the weights to the compute
+        dtype) for the whole batch instead of one per chunk; the rows are split back after.
+        Every row's features and outputs are those of translating its chunk alone (up to
+        the matmul's float rounding: tests/unit/test_query_path_fast.py)."""
         self._require_fitted()
-        out = []
+        if not chunks:
+            return []
         dtype = self.compute_dtype
-        for chunk, text in zip(chunks, texts):
-            ids, offsets = target.tokenize(text)
-            alignment = self.align(chunk.offsets, offsets)
-            kv = {}
-            for kind in KINDS:
-                x = self.features(kind, chunk, alignment, target, ids, dtype=dtype, fill=self.x_mean[kind])
-                y = self.project(kind, x - self.x_mean[kind].to(dtype)[:, None, :])
-                y = y + self.y_mean[kind].to(dtype)[:, None, :]
-                if not bool(alignment.has_source.all()):
-                    y[:, ~alignment.has_source] = self.y_mean[kind].to(dtype)[:, None, :]
-                kv[kind] = unflatten_heads(y, self.target.num_kv_heads).to(torch.float32)
-            out.append(self._target_chunk(kv["keys"], kv["values"], ids, offsets, chunk, target))
-        return out
+        encoded = [target.tokenize(text) for text in texts]
+        alignments = [self.align(chunk.offsets, offsets) for chunk, (_, offsets) in zip(chunks, encoded)]
+        sizes = [ids.numel() for ids, _ in encoded]
+        has_source = torch.cat([a.has_source for a in alignments])
+        kv: dict[str, list[torch.Tensor]] = {}
+        for kind in KINDS:
+            x = torch.cat([self.features(kind, chunk, alignment, target, ids, dtype=dtype, fill=self.x_mean[kind])
+                           for chunk, alignment, (ids, _) in zip(chunks, alignments, encoded)], dim=1)
+            y_mean = self.y_mean[kind].to(dtype)[:, None, :]
+            y = self.project(kind, x.sub_(self.x_mean[kind].to(dtype)[:, None, :])).add_(y_mean)
+            if not bool(has_source.all()):
+                y[:, ~has_source] = y_mean
+            kv[kind] = [unflatten_heads(part, self.target.num_kv_heads).to(torch.float32,
+                                                                           memory_format=torch.contiguous_format)
+                        for part in y.split(sizes, dim=1)]
+        return [self._target_chunk(keys, values, ids, offsets, chunk, target)
+                for keys, values, (ids, offsets), chunk in zip(kv["keys"], kv["values"], encoded, chunks)]
 
     # ------------------------------------------------------------- weights
 
