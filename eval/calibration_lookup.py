@@ -183,12 +183,20 @@ def calibration_lookup(*, seed: int = 0, n_docs: int = 36, n_questions: int = 60
     return items
 
 
-def calibration_needles(*, seed: int = 0, n: int = 12, words: int = 700) -> list[QAItem]:
-    """One planted fact per item in a window of a calibration essay (whole-document context)."""
+def calibration_needles(*, seed: int = 0, n: int = 12, words: int = 700,
+                        essays: list[str] | None = None) -> list[QAItem]:
+    """One planted fact per item in a window of a calibration essay (whole-document context).
+
+    `essays`: the calibration essays to plant in (default: all of them); the
+    translation lab passes the few it holds out of its training data."""
     rng = random.Random(f"{DATASET}-needle:{seed}")
     names = _Names(rng)
     names.used.extend(_reserved_names())
-    essays = [normalize_ws(essay_text(e)).split(" ") for e in calibration_essays()]
+    allowed = set(calibration_essays())
+    chosen = list(essays) if essays is not None else sorted(allowed)
+    if not chosen or not set(chosen) <= allowed:
+        raise ValueError(f"needles are planted in calibration essays only; not: {sorted(set(chosen) - allowed)}")
+    essays = [normalize_ws(essay_text(e)).split(" ") for e in chosen]
     items = []
     for k in range(n):
         text = essays[k % len(essays)]

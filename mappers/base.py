@@ -86,7 +86,7 @@ def available_methods() -> list[str]:
 
 
 def _import_builtin_methods() -> None:
-    from mappers import heterofold, identity, latent, mot, ridge  # noqa: F401  (registration side effect)
+    from mappers import bottleneck, heterofold, identity, latent, mot, ridge  # noqa: F401  (registration side effect)
 
 
 class Mapper(ABC):

@@ -25,7 +25,7 @@ def fitted(request, llama, gemma2tok, texts, tmp_path_factory):
 
 
 def test_registry():
-    assert available_methods() == ["heterofold", "identity", "latent", "mot", "ridge"]
+    assert available_methods() == ["bottleneck", "heterofold", "identity", "latent", "mot", "ridge"]
     with pytest.raises(Exception, match="unknown mapper method"):
         mapper_class("nope")
 

@@ -1,0 +1,369 @@
+"""Translation variants the lab fits from its aligned rows.
+
+A variant's name is its recipe, levers joined by ``+``::
+
+    shipped                 the mapper `auto` ships today (`mappers/pretrained`), for reference
+    ridge                   one ridge map from all source layers' K and V (standardised) to every
+                            target layer's K and V, full rank
+    pca<r>                  the same through a shared per-token bottleneck: the top r principal
+                            directions of the standardised source features (pca256, pca512, ...)
+    +h                      the source's hidden states (every second layer) join the features
+    +match                  translated keys get the target's per-channel spread back (ridge shrinks
+                            every channel toward its mean; the massive rotary channels suffer most)
+    +ks<a>                  translated keys scaled by a (0.9-1.5): a global logit temperature
+    +nat<m>                 the target's own first m layers over the context (m/L of a prefill)
+
+One eigendecomposition of the features' covariance serves every rank and every
+ridge strength: in the eigenbasis U of Cxx (eigenvalues e), the ridge map of rank r
+is ``W_r(λ) = U_r diag(1/(e_r + λ)) U_rᵀ Cxy``, so a bottleneck of full rank *is*
+the unconstrained ridge (tested). λ is chosen per target head on held-out
+contexts, from their moments alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eval.lab import data
+
+LAMBDAS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # relative to the mean eigenvalue
+HELD_OUT_FRACTION = 0.1
+
+
+def is_heldout_context(ctx_id: int) -> bool:
+    h = hashlib.sha256(f"lab:{ctx_id}".encode()).digest()
+    return int.from_bytes(h[:8], "little") / 2**64 < HELD_OUT_FRACTION
+
+
+# ------------------------------------------------------------ statistics
+
+class Moments:
+    """Float64 sums of x, y, xxᵀ, xyᵀ, y² over rows (train or held-out)."""
+
+    def __init__(self, f: int, d: int) -> None:
+        self.n = 0
+        self.sx = torch.zeros(f, dtype=torch.float64)
+        self.sy = torch.zeros(d, dtype=torch.float64)
+        self.sxx = torch.zeros(f, f, dtype=torch.float64)
+        self.sxy = torch.zeros(f, d, dtype=torch.float64)
+        self.syy = torch.zeros(d, dtype=torch.float64)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.n += x.shape[0]
+        self.sx += x.sum(0, dtype=torch.float64)
+        self.sy += y.sum(0, dtype=torch.float64)
+        self.sxx += (x.T @ x).double()       # fp32 products of one shard, summed in fp64
+        self.sxy += (x.T @ y).double()
+        self.syy += (y * y).sum(0, dtype=torch.float64)
+
+    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}{k}": getattr(self, k) for k in ("sx", "sy", "sxx", "sxy", "syy")} | \
+               {f"{prefix}n": torch.tensor(self.n)}
+
+    @classmethod
+    def from_state(cls, t: dict[str, torch.Tensor], prefix: str) -> "Moments":
+        m = cls(1, 1)
+        for k in ("sx", "sy", "sxx", "sxy", "syy"):
+            setattr(m, k, t[f"{prefix}{k}"])
+        m.n = int(t[f"{prefix}n"])
+        return m
+
+
+def features(shard: dict[str, torch.Tensor], hidden: bool) -> torch.Tensor:
+    x = shard["xkv"].float()
+    return torch.cat([x, shard["xh"].float()], -1) if hidden else x
+
+
+def moments(lab: Path, hidden: bool, max_rows: int | None = None) -> tuple[Moments, Moments]:
+    """Train and held-out moments over the lab's shards, cached on disk per feature set."""
+    from cag.progress import Progress
+
+    paths = data.shard_paths(lab)
+    tag = ("kvh" if hidden else "kv") + f"-{len(paths)}"
+    cache = lab / "stats" / f"{tag}.safetensors"
+    if cache.exists():
+        t = load_file(str(cache))
+        return Moments.from_state(t, "train."), Moments.from_state(t, "held.")
+    train = held = None
+    rows = 0
+    with Progress(f"lab moments {tag}", total=len(paths), unit="shards", interval_s=20) as bar:
+        for path in paths:
+            shard = data.read_shard(path)
+            x, y = features(shard, hidden), shard["y"].float()
+            if train is None:
+                train, held = Moments(x.shape[1], y.shape[1]), Moments(x.shape[1], y.shape[1])
+            ho = torch.tensor([is_heldout_context(int(c)) for c in shard["ctx"]])
+            train.add(x[~ho], y[~ho])
+            held.add(x[ho], y[ho])
+            rows += x.shape[0]
+            bar.advance(1)
+            if max_rows and rows >= max_rows:
+                break
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    save_file({**train.state("train."), **held.state("held.")}, str(cache))
+    return train, held
+
+
+class Basis:
+    """Standardisation, the eigendecomposition of the standardised train covariance, and
+    the held-out moments in that eigenbasis (so every rank and λ is scored exactly)."""
+
+    def __init__(self, train: Moments, held: Moments, *, max_rank: int | None = None) -> None:
+        n = train.n
+        self.mx = train.sx / n
+        self.my = train.sy / n
+        cxx = train.sxx / n - torch.outer(self.mx, self.mx)
+        self.sd = torch.diagonal(cxx).clamp_min(1e-12).sqrt()
+        cxx = (cxx / torch.outer(self.sd, self.sd)).float()
+        cxy = ((train.sxy / n - torch.outer(self.mx, self.my)) / self.sd[:, None]).float()
+        f = cxx.shape[0]
+        k = f if max_rank is None or max_rank >= f else max_rank
+        if k == f:
+            e, u = torch.linalg.eigh(cxx.double())                      # ascending
+            self.e, self.u = e.flip(0).clamp_min(0).float(), u.flip(1).float()
+        else:
+            self.e, self.u = top_eigen(cxx, k)
+        self.qty = self.u.T @ cxy                                       # [k, D]
+        self.tau = float(torch.diagonal(cxx).mean())                    # mean eigenvalue = tr/F
+        self.train_var = (train.syy / n - self.my ** 2).float()          # [D]
+        # held-out rows, centred and standardised with the *train* statistics, in the eigenbasis
+        m = held.n
+        sx = (held.sx - m * self.mx) / self.sd
+        sxx = (held.sxx - torch.outer(held.sx, self.mx) - torch.outer(self.mx, held.sx)
+               + m * torch.outer(self.mx, self.mx)) / torch.outer(self.sd, self.sd)
+        sxy = (held.sxy - torch.outer(self.mx, held.sy)) / self.sd[:, None] - torch.outer(sx, self.my)
+        self.held_a = self.u.T @ (sxx.float() @ self.u)                 # [k, k]
+        self.held_b = self.u.T @ sxy.float()                            # [k, D]
+        self.held_syy = (held.syy - 2 * self.my * held.sy + m * self.my ** 2).float()
+        self.held_sst = (held.syy - held.sy ** 2 / max(m, 1)).float()
+
+    def coefficients(self, rank: int, lam: float) -> torch.Tensor:
+        """``[r, D]``: the map in the eigenbasis, G·Qᵀ (so W = U_r · coefficients)."""
+        g = 1.0 / (self.e[:rank] + lam * self.tau)
+        return g[:, None] * self.qty[:rank]
+
+    def heldout_sse(self, coef: torch.Tensor) -> torch.Tensor:
+        r = coef.shape[0]
+        return self.held_syy - 2 * (self.held_b[:r] * coef).sum(0) + ((self.held_a[:r, :r] @ coef) * coef).sum(0)
+
+    def predicted_var(self, coef: torch.Tensor) -> torch.Tensor:
+        r = coef.shape[0]
+        return (self.e[:r, None] * coef * coef).sum(0)
+
+
+def top_eigen(a: torch.Tensor, k: int, oversample: int = 64, power: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k eigenpairs of a symmetric PSD matrix by randomized subspace iteration
+    (Halko et al.): a full eigendecomposition of an 11,520-wide covariance takes
+    minutes on two cores, the top 1,024 directions seconds."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.linalg.qr(a @ torch.randn(a.shape[0], k + oversample, generator=g))[0]
+    for _ in range(power):
+        q = torch.linalg.qr(a @ q)[0]
+    e, v = torch.linalg.eigh((q.T @ a @ q).double())
+    e, v = e.flip(0)[:k].clamp_min(0).float(), v.flip(1)[:, :k].float()
+    return e, q @ v
+
+
+MAX_RANK = 1024  # the widest bottleneck the lab fits on real features
+_BASES: dict[tuple[str, bool], tuple[Basis, int]] = {}
+
+
+def basis_for(lab: Path, hidden: bool) -> tuple[Basis, int]:
+    key = (str(lab), hidden)
+    if key not in _BASES:
+        train, held = moments(lab, hidden)
+        _BASES[key] = (Basis(train, held, max_rank=MAX_RANK), train.n)
+    return _BASES[key]
+
+
+# --------------------------------------------------------------- variants
+
+class Variant:
+    """Features of one item → the target's K and V ``[L, H, T, D]``."""
+
+    train_rows = 0
+
+    def describe(self) -> str:
+        return ""
+
+    def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class LinearVariant(Variant):
+    def __init__(self, basis: Basis, train_rows: int, head_dim: int, *, rank: int | None, hidden: bool,
+                 match: bool, key_scale: float, native_layers: int) -> None:
+        self.train_rows = train_rows
+        f, d = basis.u.shape[0], basis.qty.shape[1]
+        if rank is None and basis.u.shape[1] < f:
+            raise ValueError(f"full-rank ridge needs the full eigenbasis; this one holds {basis.u.shape[1]} directions")
+        self.rank = min(rank or f, basis.u.shape[1])
+        dt = head_dim
+        best_sse = torch.full((d // dt,), float("inf"))
+        coef = torch.zeros(self.rank, d)
+        self.lambdas = [0.0] * (d // dt)
+        for lam in LAMBDAS:  # λ per target head (and layer, and kind), on held-out contexts
+            c = basis.coefficients(self.rank, lam)
+            sse = basis.heldout_sse(c).reshape(-1, dt).sum(-1)
+            better = sse < best_sse
+            best_sse = torch.where(better, sse, best_sse)
+            cols = better.repeat_interleave(dt)
+            coef[:, cols] = c[:, cols]
+            self.lambdas = [lam if b else old for b, old in zip(better.tolist(), self.lambdas)]
+        self.heldout_r2 = float(1 - best_sse.sum() / basis.held_sst.sum())
+        self.proj = basis.u[:, : self.rank].contiguous()             # [F, r]: the shared bottleneck
+        self.coef = coef                                              # [r, D]
+        self.mx, self.sd, self.my = basis.mx.float(), basis.sd.float(), basis.my.float()
+        self.hidden, self.match, self.key_scale, self.native_layers = hidden, match, key_scale, native_layers
+        self.scale = torch.ones(d)
+        if match:  # per output column: the target's spread over the prediction's, keys only
+            ratio = (basis.train_var / basis.predicted_var(coef).clamp_min(1e-12)).sqrt()
+            self.scale[: d // 2] = ratio[: d // 2]
+        self.scale[: d // 2] *= key_scale
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}, features {'K,V,hidden' if self.hidden else 'K,V'} of all source layers, "
+                f"held-out R² {self.heldout_r2:.3f}, λ median {sorted(self.lambdas)[len(self.lambdas) // 2]:g}"
+                + (", keys spread-matched" if self.match else "")
+                + (f", keys ×{self.key_scale:g}" if self.key_scale != 1 else "")
+                + (f", first {self.native_layers} target layers native" if self.native_layers else ""))
+
+    def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
+        x = features(item, self.hidden)
+        z = ((x - self.mx) / self.sd) @ self.proj
+        y = (z @ self.coef) * self.scale + self.my
+        y[~item["has_source"]] = self.my
+        fp = target.fingerprint
+        keys, values = data.split_target(y, fp.num_layers, fp.num_kv_heads)
+        if self.native_layers:
+            m = self.native_layers
+            keys[:m], values[:m] = item["native_keys"][:m], item["native_values"][:m]
+        return keys, values
+
+
+class ShippedVariant(Variant):
+    """What `mapper="auto"` ships today, translating the source's own chunk."""
+
+    def __init__(self, source, target) -> None:
+        from cag.mapping import resolve_mapper
+
+        self.source = source
+        self.mapper = resolve_mapper("auto", source.fingerprint, target)
+
+    def describe(self) -> str:
+        return f"shipped auto mapper: {self.mapper.method} ({self.mapper.artifact_id})"
+
+    def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.source.prefill(item["text"])
+        out = self.mapper.translate(chunk, item["text"], target)
+        return out.keys.float(), out.values.float()
+
+
+class CalibratedVariant(Variant):
+    """A variant whose context keys get a learned per-(layer, head) logit scale (`eval.lab.calibrate`),
+    fitted on the lab's *tune* lookup items and cached on disk."""
+
+    def __init__(self, base: Variant, base_name: str, lab: Path, target) -> None:
+        from safetensors.torch import load_file, save_file
+
+        self.base, self.train_rows = base, base.train_rows
+        path = lab / "calibration" / f"{base_name}.safetensors"
+        if path.exists():
+            t = load_file(str(path))
+            self.log_scale, self.history = t["log_scale"], t["history"].tolist()
+        else:
+            from cag.progress import Progress
+            from eval.lab import calibrate
+            from eval.lab.score import Scorer, load_item
+
+            scorer = Scorer(target)
+            items = [load_item(p) for p in sorted((lab / "items" / "tune").glob("*.safetensors"))]
+            epochs = 6
+
+            def translate(item):
+                return scorer.chunk(item, *base.translate(item, target))
+
+            with Progress("lab calibrate", total=len(items) * (epochs + 1), unit="steps", interval_s=20) as bar:
+                self.log_scale, self.history = calibrate.fit_log_scales(target, items, translate, epochs=epochs,
+                                                                        progress=bar)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"log_scale": self.log_scale.contiguous(), "history": torch.tensor(self.history)}, str(path))
+
+    def describe(self) -> str:
+        s = torch.exp(self.log_scale)
+        return (f"{self.base.describe()}, context-key logit scale per layer and head learned on tune items "
+                f"(×{float(s.min()):.2f}-{float(s.max()):.2f}; tune NLL {self.history[0]:.2f} → {self.history[-1]:.2f})")
+
+    def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.base.translate(item, target)
+        return keys * torch.exp(self.log_scale)[:, :, None, None], values
+
+
+_LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|cal)$")
+
+
+def make(name: str, lab: Path, source, target) -> Variant:
+    if name == "shipped":
+        return ShippedVariant(source, target)
+    base, *levers = name.split("+")
+    if base == "ridge":
+        rank = None
+    elif re.fullmatch(r"pca[0-9]+", base):
+        rank = int(base[3:])
+    else:
+        raise ValueError(f"unknown variant base {base!r} (shipped, ridge, pca<r>)")
+    bad = [lever for lever in levers if not _LEVER.match(lever)]
+    if bad:
+        raise ValueError(f"unknown levers {bad} in {name!r}")
+    key_scale = next((float(lv[2:]) for lv in levers if lv.startswith("ks")), 1.0)
+    native = next((int(lv[3:]) for lv in levers if lv.startswith("nat")), 0)
+    basis, rows = basis_for(lab, "h" in levers)
+    variant = LinearVariant(basis, rows, target.fingerprint.head_dim, rank=rank, hidden="h" in levers,
+                            match="match" in levers, key_scale=key_scale, native_layers=native)
+    if "cal" in levers:
+        variant = CalibratedVariant(variant, "+".join(lv for lv in [base, *levers] if lv != "cal"), lab, target)
+    return variant
+
+
+def to_mapper(variant, source, target):
+    """The runtime `BottleneckMapper` of a fitted linear variant (standardisation, spread and any
+    learned per-head key scale folded in)."""
+    from mappers.bottleneck import BottleneckMapper
+
+    log_scale = None
+    if isinstance(variant, CalibratedVariant):
+        variant, log_scale = variant.base, variant.log_scale
+
+    if variant.hidden or variant.native_layers:
+        raise ValueError("only K,V-feature variants without native layers map to the runtime bottleneck")
+    sd = variant.sd
+    mapper = BottleneckMapper(source.fingerprint, target.fingerprint, {"rank": variant.rank})
+    coef, y_mean = variant.coef * variant.scale[None, :], variant.my
+    if log_scale is not None:
+        from eval.lab.calibrate import fold_into
+
+        coef, y_mean = fold_into(coef, y_mean, log_scale, target.fingerprint.head_dim)
+    mapper.set_weights(proj=variant.proj / sd[:, None], bias=-(variant.mx / sd) @ variant.proj,
+                       coef=coef, y_mean=y_mean)
+    mapper.fitted_on = {"train_rows": variant.train_rows,
+                        "prefill_prefix": {"source": source.prefill_prefix, "target": target.prefill_prefix},
+                        "lambdas_per_head": variant.lambdas, "spread_matched": variant.match,
+                        "key_scale": variant.key_scale}
+    mapper.fidelity = {"heldout": {"r2": variant.heldout_r2}}
+    return mapper
+
+
+def lab_provenance(lab: Path) -> dict:
+    """Which of the lab's recorded contexts the rows came from (for a mapper card)."""
+    corpus = json.loads((lab / "corpus.json").read_text())
+    used = sorted({int(c) for p in data.shard_paths(lab) for c in json.loads(data.load_meta(p)["contexts"])})
+    return {"corpus": "translation lab (eval/lab/data.py): calibration essays, installed package descriptions, "
+                      "calib-lookup seeds >= 100, calib-needle seeds >= 100",
+            "contexts": len(used),
+            "contexts_sha256": hashlib.sha256("".join(corpus[i]["sha256"] for i in used).encode()).hexdigest()}

@@ -1,0 +1,124 @@
+"""Bottleneck: every source layer's keys and values through one shared per-token bottleneck.
+
+Where KV Ridge gives each target layer a window of ±1 source layers and predicts
+keys from keys only, this map sees the whole source cache of a token at once:
+
+    x  = [K_0 … K_{Ls−1}, V_0 … V_{Ls−1}]   of the aligned source token (de-rotated keys)
+    z  = ((x − μx) / σx) · P                  P: the top r principal directions  [F, r]
+    ŷ  = (z · C) ⊙ s + μy                     C: ridge map to every target layer's K and V  [r, D]
+
+``s`` restores each translated key channel's spread (ridge shrinks every channel
+toward its mean, and the few massive low-frequency rotary channels that carry
+lookups suffer most); values keep s = 1. z is the same for every target layer,
+so translation costs two matmuls per chunk, whatever the number of layers.
+
+Fitted by the translation lab (`eval/translation_lab.py export`), not by the
+generic ``cag fit`` loop: the lab's aligned rows, its held-out λ per target head,
+and its lookup score are what the card records. Standardisation is folded into
+the stored projection (``proj = P / σx``, ``bias = −(μx/σx)·P``) and the spread
+into the ridge map, so inference is ``(x·proj + bias)·coef + y_mean``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cag.kv import FLOAT_DTYPES, KVChunk, normalize_dtype
+from mappers.base import Mapper, MapperArtifactError, register_mapper
+from mappers.linear import flatten_heads
+from mappers.token_alignment import align_tokens
+
+NAMES = ("proj", "bias", "coef", "y_mean")
+
+
+def all_layer_features(chunk: KVChunk) -> torch.Tensor:
+    """``[T, Ls·2·Hs·Ds]``: every layer's de-rotated keys, then every layer's values, per token."""
+    parts = []
+    for kv in (chunk.keys, chunk.values):
+        flat = flatten_heads(kv.float())                    # [Ls, T, H·D]
+        parts.append(flat.permute(1, 0, 2).reshape(flat.shape[1], -1))
+    return torch.cat(parts, -1)
+
+
+def split_outputs(y: torch.Tensor, num_layers: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, 2·L·H·D]`` (keys of all layers, then values) → keys, values ``[L, H, T, D]``."""
+    t, half = y.shape[0], y.shape[1] // 2
+    out = []
+    for part in (y[:, :half], y[:, half:]):
+        flat = part.reshape(t, num_layers, half // num_layers).permute(1, 0, 2)
+        out.append(flat.reshape(num_layers, t, heads, -1).permute(0, 2, 1, 3).contiguous())
+    return out[0], out[1]
+
+
+@register_mapper
+class BottleneckMapper(Mapper):
+    method = "bottleneck"
+
+    def __init__(self, source, target, settings: dict[str, Any] | None = None) -> None:
+        super().__init__(source, target, {"rank": 512, "storage_dtype": "float16", "compute_dtype": "float32",
+                                          **(settings or {})})
+        self.weights: dict[str, torch.Tensor] = {}
+
+    @property
+    def num_features(self) -> int:
+        s = self.source
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim
+
+    @property
+    def num_outputs(self) -> int:
+        t = self.target
+        return 2 * t.num_layers * t.num_kv_heads * t.head_dim
+
+    def set_weights(self, *, proj, bias, coef, y_mean) -> None:
+        """Install fitted weights, rounded to their storage dtype (what is measured is what is saved)."""
+        store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
+        self.weights = {"proj": proj.to(store).float(), "bias": bias.float(), "coef": coef.to(store).float(),
+                        "y_mean": y_mean.float()}
+        self._check(self.weights)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
+        return {"proj": self.weights["proj"].to(store), "bias": self.weights["bias"],
+                "coef": self.weights["coef"].to(store), "y_mean": self.weights["y_mean"]}
+
+    def _check(self, tensors: dict[str, torch.Tensor]) -> None:
+        r, f, d = int(self.settings["rank"]), self.num_features, self.num_outputs
+        expected = {"proj": (f, r), "bias": (r,), "coef": (r, d), "y_mean": (d,)}
+        if set(tensors) != set(expected):
+            raise MapperArtifactError(f"bottleneck weights: expected {sorted(expected)}, got {sorted(tensors)}")
+        for name, shape in expected.items():
+            if tuple(tensors[name].shape) != shape:
+                raise MapperArtifactError(f"bottleneck weight {name} has shape {tuple(tensors[name].shape)}, "
+                                          f"expected {shape}")
+            if not torch.isfinite(tensors[name]).all():
+                raise MapperArtifactError(f"bottleneck weight {name} holds non-finite values")
+
+    def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._check(tensors)
+        self.weights = {k: v.float() for k, v in tensors.items()}
+
+    @torch.no_grad()
+    def _translate_batch(self, chunks: list[KVChunk], texts: list[str], target) -> list[KVChunk]:
+        if not self.weights:
+            raise MapperArtifactError("bottleneck mapper is not fitted")
+        dtype = FLOAT_DTYPES[normalize_dtype(self.settings["compute_dtype"])]
+        w = {k: v.to(dtype) for k, v in self.weights.items()}
+        # One pair of matmuls for all chunks of the query: rows of every chunk stacked.
+        rows, metas = [], []
+        for chunk, text in zip(chunks, texts):
+            ids, offsets = target.tokenize(text)
+            al = align_tokens(chunk.offsets, offsets, window=1)
+            rows.append(all_layer_features(chunk).to(dtype)[al.index[:, 0]])
+            metas.append((ids, offsets, al.has_source))
+        y = ((torch.cat(rows) @ w["proj"] + w["bias"]) @ w["coef"]) + w["y_mean"]
+        out, start = [], 0
+        fp = self.target
+        for chunk, (ids, offsets, has_source) in zip(chunks, metas):
+            part = y[start:start + ids.numel()]
+            start += ids.numel()
+            part[~has_source] = w["y_mean"]  # a target token with no admissible source: the mean
+            keys, values = split_outputs(part.float(), fp.num_layers, fp.num_kv_heads)
+            out.append(self._target_chunk(keys, values, ids, offsets, chunk, target))
+        return out

@@ -1,0 +1,109 @@
+"""The bottleneck mapper (all source layers' K and V through one shared per-token bottleneck),
+fitted with the translation lab's closed form between tiny models of two families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.lab import data, variants
+from mappers.base import MapperArtifactError, load_mapper
+from mappers.bottleneck import BottleneckMapper, split_outputs
+
+
+def _rows(source, target, texts):
+    xs, ys = [], []
+    for text in texts:
+        chunk, native = source.prefill(text), target.prefill(text)
+        index, ok = data.aligned(chunk, native)
+        xs.append(data.source_kv_features(chunk)[index][ok])
+        ys.append(data.target_rows(native)[ok])
+    return torch.cat(xs), torch.cat(ys)
+
+
+@pytest.fixture(scope="module")
+def fitted(llama, gemma2tok, texts):
+    x, y = _rows(llama, gemma2tok, texts[:-1])
+    hx, hy = _rows(llama, gemma2tok, texts[-1:])
+    train, held = variants.Moments(x.shape[1], y.shape[1]), variants.Moments(x.shape[1], y.shape[1])
+    train.add(x, y)
+    held.add(hx, hy)
+    basis = variants.Basis(train, held)
+    variant = variants.LinearVariant(basis, train.n, gemma2tok.fingerprint.head_dim, rank=16, hidden=False,
+                                     match=True, key_scale=1.1, native_layers=0)
+    return variant, variants.to_mapper(variant, llama, gemma2tok)
+
+
+def _item(source, target, text):
+    chunk, native = source.prefill(text), target.prefill(text)
+    index, ok = data.aligned(chunk, native)
+    return {"xkv": data.source_kv_features(chunk)[index], "has_source": ok}
+
+
+def test_runtime_mapper_equals_the_lab_variant_it_was_exported_from(fitted, llama, gemma2tok, texts):
+    variant, mapper = fitted
+    text = texts[0]
+    keys, values = variant.translate(_item(llama, gemma2tok, text), gemma2tok)
+    out = mapper.translate(llama.prefill(text), text, gemma2tok)
+    # the runtime weights are rounded to fp16; standardisation and spread are folded in
+    torch.testing.assert_close(out.keys, keys, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.values, values, rtol=2e-2, atol=2e-2)
+    assert out.model.id == gemma2tok.fingerprint.id
+
+
+def test_batched_translation_equals_one_by_one_and_the_artifact_round_trips(fitted, llama, gemma2tok, texts,
+                                                                            tmp_path):
+    _, mapper = fitted
+    chunks = [llama.prefill(t) for t in texts[:3]]
+    batch = mapper.translate_batch(chunks, texts[:3], gemma2tok)
+    for chunk, text, got in zip(chunks, texts[:3], batch):
+        one = mapper.translate(chunk, text, gemma2tok)
+        torch.testing.assert_close(got.keys, one.keys)
+    mapper.save(tmp_path / "m")
+    loaded = load_mapper(tmp_path / "m", source=llama.fingerprint, target=gemma2tok.fingerprint)
+    assert isinstance(loaded, BottleneckMapper)
+    again = loaded.translate(chunks[0], texts[0], gemma2tok)
+    torch.testing.assert_close(again.keys, batch[0].keys)
+
+
+def test_spread_matching_restores_the_keys_spread_that_ridge_shrinks(fitted):
+    variant, _ = fitted
+    d = variant.scale.numel()
+    # keys get their spread back (≥ 1 before the global key scale), values are left alone
+    assert bool((variant.scale[: d // 2] / 1.1 >= 1 - 1e-4).all())
+    assert bool((variant.scale[d // 2:] == 1).all())
+
+
+def test_wrong_shapes_and_unfitted_mapper_are_refused(llama, gemma2tok, texts):
+    m = BottleneckMapper(llama.fingerprint, gemma2tok.fingerprint, {"rank": 4})
+    with pytest.raises(MapperArtifactError, match="not fitted"):
+        m.translate(llama.prefill(texts[0]), texts[0], gemma2tok)
+    with pytest.raises(MapperArtifactError, match="shape"):
+        m._load_tensors({"proj": torch.zeros(3, 4), "bias": torch.zeros(4), "coef": torch.zeros(4, 5),
+                         "y_mean": torch.zeros(5)})
+
+
+def test_lookup_calibration_lowers_its_loss_on_a_tiny_pair_and_folds_into_the_map(gemma2tok, texts):
+    from eval.lab import calibrate
+
+    target = gemma2tok
+    items = [{"text": t, "question": "What follows?", "answers": [t.split()[-1]]} for t in texts[:3]]
+
+    def translate(item):  # a stand-in translation: the native chunk with flattened keys
+        native = target.prefill(item["text"])
+        return type(native)(native.keys * 0.3, native.values, native.token_ids, native.offsets, native.text_hash,
+                            native.model, native.settings)
+
+    log_scale, history = calibrate.fit_log_scales(target, items, translate, epochs=4, lr=0.1)
+    assert history[-1] < history[0]
+    assert log_scale.shape == (target.fingerprint.num_layers, target.fingerprint.num_kv_heads)
+    # folding the scales into a linear map equals scaling its translated keys
+    fp = target.fingerprint
+    d = fp.num_layers * fp.num_kv_heads * fp.head_dim
+    coef, y_mean = torch.randn(5, 2 * d), torch.randn(2 * d)
+    z = torch.randn(7, 5)
+    folded = calibrate.fold_into(coef, y_mean, log_scale, fp.head_dim)
+    keys, values = split_outputs(z @ folded[0] + folded[1], fp.num_layers, fp.num_kv_heads)
+    keys0, values0 = split_outputs(z @ coef + y_mean, fp.num_layers, fp.num_kv_heads)
+    torch.testing.assert_close(keys, keys0 * torch.exp(log_scale)[:, :, None, None])
+    torch.testing.assert_close(values, values0)

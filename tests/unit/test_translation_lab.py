@@ -1,0 +1,114 @@
+"""The translation lab's data and fitting machinery (eval/lab)."""
+
+from __future__ import annotations
+
+import torch
+
+from eval.lab import data, variants
+
+
+def _moments(x, y, held_x, held_y):
+    train, held = variants.Moments(x.shape[1], y.shape[1]), variants.Moments(x.shape[1], y.shape[1])
+    train.add(x, y)
+    held.add(held_x, held_y)
+    return train, held
+
+
+def _problem(n=400, f=12, d=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, f, generator=g) * torch.linspace(0.5, 3, f) + torch.linspace(-1, 1, f)
+    w = torch.randn(f, d, generator=g)
+    y = x @ w + 0.3 * torch.randn(n, d, generator=g) + 2.0
+    return x, y
+
+
+def test_full_rank_bottleneck_equals_unconstrained_ridge():
+    x, y = _problem()
+    train, held = _moments(x[:300], y[:300], x[300:], y[300:])
+    basis = variants.Basis(train, held)
+    lam = 0.1
+    w_bottleneck = basis.u.double() @ basis.coefficients(x.shape[1], lam).double()
+    # the ridge solved directly on the standardised, centred features
+    z = (x[:300].double() - basis.mx) / basis.sd
+    cxx = z.T @ z / 300
+    cxy = z.T @ (y[:300].double() - basis.my) / 300
+    w_ridge = torch.linalg.solve(cxx + lam * basis.tau * torch.eye(x.shape[1], dtype=torch.float64), cxy)
+    torch.testing.assert_close(w_bottleneck, w_ridge, rtol=1e-4, atol=1e-5)
+
+
+def test_heldout_sse_from_moments_equals_the_direct_sum():
+    x, y = _problem(seed=1)
+    train, held = _moments(x[:300], y[:300], x[300:], y[300:])
+    basis = variants.Basis(train, held)
+    for rank in (3, 12):
+        coef = basis.coefficients(rank, 0.03)
+        z = ((x[300:].double() - basis.mx) / basis.sd).float() @ basis.u[:, :rank]
+        pred = z @ coef + basis.my.float()
+        direct = ((y[300:] - pred) ** 2).sum(0)
+        torch.testing.assert_close(basis.heldout_sse(coef), direct, rtol=1e-3, atol=1e-2)
+
+
+def test_lower_rank_fits_worse_on_train_and_the_full_rank_recovers_the_signal():
+    x, y = _problem(n=2000, seed=2)
+    train, held = _moments(x[:1800], y[:1800], x[1800:], y[1800:])
+    basis = variants.Basis(train, held)
+    sse = [float(basis.heldout_sse(basis.coefficients(r, 1e-3)).sum()) for r in (2, 6, 12)]
+    assert sse[0] > sse[1] > sse[2]
+    r2 = 1 - sse[2] / float(basis.held_sst.sum())
+    assert r2 > 0.9
+
+
+def test_split_target_inverts_target_rows():
+    keys, values = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+
+    class Chunk:
+        pass
+
+    c = Chunk()
+    c.keys, c.values = keys, values
+    y = data.target_rows(c)
+    assert y.shape == (5, 2 * 3 * 2 * 4)
+    k2, v2 = data.split_target(y, 3, 2)
+    torch.testing.assert_close(k2, keys)
+    torch.testing.assert_close(v2, values)
+
+
+def test_corpus_is_reproducible_from_its_records_and_disjoint_from_the_held_out_essays():
+    a, b = data.training_corpus(synthetic_seeds=4), data.training_corpus(synthetic_seeds=4)
+    assert [e["sha256"] for e in a] == [e["sha256"] for e in b]
+    assert {e["source"] for e in a} == {"essay", "package", "calib-lookup", "calib-needle"}
+    held = set(data.held_out_essays())
+    assert held and not held & set(data.training_essays())
+    assert not any(e["source"] == "essay" and e["name"] in held for e in a)
+    # each package window records the distribution and version it came from
+    pkg = next(e for e in a if e["source"] == "package")
+    assert pkg["name"] and pkg["version"]
+    # the lab's lookup items are planted only in held-out essays, tune and test never share an item
+    tune, test = data.lookup_items("tune", 3), data.lookup_items("test", 3)
+    assert not {i.id for i in tune} & {i.id for i in test}
+    from eval.datasets import essay_text, normalize_ws
+    held_text = " ".join(normalize_ws(essay_text(e)) for e in held)
+    for item in tune + test:
+        words = item.documents[0].text.split(" ")
+        assert " ".join(words[:8]) in held_text or " ".join(words[-8:]) in held_text
+
+
+def test_variant_names_parse_and_unknown_levers_are_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown levers"):
+        variants.make("pca256+bogus", None, None, None)
+    with pytest.raises(ValueError, match="unknown variant base"):
+        variants.make("lasso", None, None, None)
+
+
+def test_randomized_top_eigenpairs_match_the_full_decomposition():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(500, 60, generator=g) * torch.logspace(1, -1, 60)
+    a = x.T @ x / 500
+    e, u = variants.top_eigen(a, 10)
+    full_e, full_u = torch.linalg.eigh(a.double())
+    torch.testing.assert_close(e.double(), full_e.flip(0)[:10], rtol=1e-3, atol=1e-5)
+    # same subspace: projections agree
+    p1, p2 = u @ u.T, full_u.flip(1)[:, :10].float() @ full_u.flip(1)[:, :10].float().T
+    torch.testing.assert_close(p1, p2, atol=1e-3, rtol=1e-3)
