@@ -56,7 +56,7 @@ def cmd_run(args) -> int:
     out = data.lab_dir(args.source, args.target)
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.variants:
-        path = RESULTS / f"{args.source}__{args.target}" / f"{name}.json"
+        path = RESULTS / f"{args.source}__{args.target}" / f"{name}{args.tag}.json"
         if path.exists() and not args.force:
             print(f"lab: {name} already scored ({path}); --force to redo", file=sys.stderr)
             continue
@@ -65,7 +65,7 @@ def cmd_run(args) -> int:
         fitted = time.perf_counter()
         result = score.score_variant(variant, out, source, target, split=args.split, n=args.n,
                                      max_new_tokens=args.max_new_tokens)
-        result.update({"variant": name, "describe": variant.describe(), "fit_s": round(fitted - started, 1),
+        result.update({"variant": name + args.tag, "describe": variant.describe(), "fit_s": round(fitted - started, 1),
                        "score_s": round(time.perf_counter() - fitted, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
                        "command": " ".join(["python", *sys.argv]), "train_rows": variant.train_rows})
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ def cmd_export(args) -> int:
 
     source, target = _models(args)
     lab = data.lab_dir(args.source, args.target)
-    scored = RESULTS / f"{args.source}__{args.target}" / f"{args.variant}.json"
+    scored = RESULTS / f"{args.source}__{args.target}" / f"{args.variant}{args.tag}.json"
     if not scored.exists():
         raise SystemExit(f"{args.variant} has not been scored; run `translation_lab.py run --variants {args.variant}`")
     result = json.loads(scored.read_text())
@@ -124,9 +124,11 @@ def main(argv=None) -> int:
     r.add_argument("--n", type=int, default=40)
     r.add_argument("--max-new-tokens", type=int, default=12)
     r.add_argument("--force", action="store_true")
+    r.add_argument("--tag", default="", help="suffix of the result's name (a confirmation run beside the scan)")
     e = sub.add_parser("export", help="write a scored variant as a runtime mapper artifact")
     e.add_argument("--variant", required=True)
     e.add_argument("--out", type=Path)
+    e.add_argument("--tag", default="", help="take the lookup figures of this scored run (e.g. @n40)")
     sub.add_parser("report", help="the table of every scored variant")
     args = ap.parse_args(argv)
     return {"build": cmd_build, "run": cmd_run, "export": cmd_export, "report": cmd_report}[args.cmd](args)

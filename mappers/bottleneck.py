@@ -7,6 +7,12 @@ keys from keys only, this map sees the whole source cache of a token at once:
     z  = ((x − μx) / σx) · P                  P: the top r principal directions  [F, r]
     ŷ  = (z · C) ⊙ s + μy                     C: ridge map to every target layer's K and V  [r, D]
 
+plus, optionally (``token_residual``), per target layer l a ridge map from the target's own
+*direct path* of tokens t and t−1 (embedding → layer l's norm → k and v projections,
+`mappers.linear.direct_path`) to what the bottleneck still gets wrong. That direct path is
+which token sits at each position in the target's own vocabulary: a source with another
+tokenizer cannot supply it, and copying a name or a number out of the context needs it.
+
 ``s`` restores each translated key channel's spread (ridge shrinks every channel
 toward its mean, and the few massive low-frequency rotary channels that carry
 lookups suffer most); values keep s = 1. z is the same for every target layer,
@@ -27,10 +33,19 @@ import torch
 
 from cag.kv import FLOAT_DTYPES, KVChunk, normalize_dtype
 from mappers.base import Mapper, MapperArtifactError, register_mapper
-from mappers.linear import flatten_heads
+from mappers.linear import direct_path, flatten_heads
 from mappers.token_alignment import align_tokens
 
 NAMES = ("proj", "bias", "coef", "y_mean")
+TOKEN_NAMES = ("tok_w", "tok_mean_f", "tok_mean_r")
+
+
+def direct_features(target, ids: torch.Tensor) -> torch.Tensor:
+    """``[L, T, 4·Ht·Dt]``: per target layer, the direct path (keys, values) of tokens t and t−1."""
+    now = torch.cat([direct_path(target, ids, "keys"), direct_path(target, ids, "values")], -1)
+    prev = torch.zeros_like(now)
+    prev[:, 1:] = now[:, :-1]
+    return torch.cat([now, prev], -1)
 
 
 def all_layer_features(chunk: KVChunk) -> torch.Tensor:
@@ -71,21 +86,29 @@ class BottleneckMapper(Mapper):
         t = self.target
         return 2 * t.num_layers * t.num_kv_heads * t.head_dim
 
-    def set_weights(self, *, proj, bias, coef, y_mean) -> None:
+    @property
+    def token_residual(self) -> bool:
+        return bool(self.settings.get("token_residual", False))
+
+    def set_weights(self, **tensors: torch.Tensor) -> None:
         """Install fitted weights, rounded to their storage dtype (what is measured is what is saved)."""
         store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
-        self.weights = {"proj": proj.to(store).float(), "bias": bias.float(), "coef": coef.to(store).float(),
-                        "y_mean": y_mean.float()}
+        big = ("proj", "coef", "tok_w")  # the matrices; biases and means stay fp32
+        self.weights = {k: (v.to(store) if k in big else v).float() for k, v in tensors.items()}
         self._check(self.weights)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
-        return {"proj": self.weights["proj"].to(store), "bias": self.weights["bias"],
-                "coef": self.weights["coef"].to(store), "y_mean": self.weights["y_mean"]}
+        return {k: (v.to(store) if k in ("proj", "coef", "tok_w") else v) for k, v in self.weights.items()}
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> None:
         r, f, d = int(self.settings["rank"]), self.num_features, self.num_outputs
         expected = {"proj": (f, r), "bias": (r,), "coef": (r, d), "y_mean": (d,)}
+        if self.token_residual:
+            t = self.target
+            hd = t.num_kv_heads * t.head_dim
+            expected.update({"tok_w": (t.num_layers, 4 * hd, 2 * hd), "tok_mean_f": (t.num_layers, 4 * hd),
+                             "tok_mean_r": (t.num_layers, 2 * hd)})
         if set(tensors) != set(expected):
             raise MapperArtifactError(f"bottleneck weights: expected {sorted(expected)}, got {sorted(tensors)}")
         for name, shape in expected.items():
@@ -98,6 +121,15 @@ class BottleneckMapper(Mapper):
     def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._check(tensors)
         self.weights = {k: v.float() for k, v in tensors.items()}
+
+    def _token_residual(self, target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per layer, the direct-path correction ``[L, H, T, D]`` of keys and of values."""
+        fp, w = self.target, self.weights
+        f = direct_features(target, ids) - w["tok_mean_f"][:, None, :]
+        r = torch.bmm(f, w["tok_w"]) + w["tok_mean_r"][:, None, :]                       # [L, T, 2HD]
+        hd = fp.num_kv_heads * fp.head_dim
+        shape = (fp.num_layers, -1, fp.num_kv_heads, fp.head_dim)
+        return (r[..., :hd].reshape(shape).permute(0, 2, 1, 3), r[..., hd:].reshape(shape).permute(0, 2, 1, 3))
 
     @torch.no_grad()
     def _translate_batch(self, chunks: list[KVChunk], texts: list[str], target) -> list[KVChunk]:
@@ -120,5 +152,8 @@ class BottleneckMapper(Mapper):
             start += ids.numel()
             part[~has_source] = w["y_mean"]  # a target token with no admissible source: the mean
             keys, values = split_outputs(part.float(), fp.num_layers, fp.num_kv_heads)
+            if self.token_residual:
+                rk, rv = self._token_residual(target, ids)
+                keys, values = keys + rk, values + rv
             out.append(self._target_chunk(keys, values, ids, offsets, chunk, target))
         return out

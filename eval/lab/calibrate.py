@@ -65,7 +65,7 @@ def fit_log_scales(target, items: list[dict], translate, *, epochs: int = 6, lr:
         total = 0.0
         for item, pl in zip(items, placed):
             loss = answer_nll(target, asm, pl, item["question"], item["answers"][0], log_scale)
-            total += float(loss)
+            total += float(loss.detach())
             if epoch < epochs:
                 opt.zero_grad()
                 (loss + l2 * (log_scale ** 2).sum()).backward()

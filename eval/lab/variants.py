@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval.lab import data
+from mappers.bottleneck import direct_features  # the runtime's own definition
 
 LAMBDAS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # relative to the mean eigenvalue
 HELD_OUT_FRACTION = 0.1
@@ -265,6 +266,116 @@ class ShippedVariant(Variant):
         return out.keys.float(), out.values.float()
 
 
+TOK_LAMBDAS = (1e-2, 1e-1, 1.0)
+
+
+class TokenResidualVariant(Variant):
+    """A linear variant plus, per target layer, a ridge map from the target's direct path of tokens
+    t and t−1 to what the variant still gets wrong (fitted on its residuals over the lab's rows)."""
+
+    def __init__(self, base: "LinearVariant", base_name: str, lab: Path, source, target) -> None:
+        from safetensors.torch import load_file, save_file
+
+        self.base, self.train_rows = base, base.train_rows
+        path = lab / "token_residual" / f"{base_name}.safetensors"
+        if path.exists():
+            t = load_file(str(path))
+        else:
+            t = fit_token_residual(base, lab, source, target)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(t, str(path))
+        self.w, self.mean_f, self.mean_r, self.sse_drop = t["w"], t["mean_f"], t["mean_r"], float(t["sse_drop"])
+
+    def describe(self) -> str:
+        return f"{self.base.describe()}, + target-token residual per layer (held-out error −{100 * self.sse_drop:.1f}%)"
+
+    def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
+        fp = target.fingerprint
+        keys, values = self.base.translate(item, target)
+        f = direct_features(target, item["token_ids"]) - self.mean_f[:, None, :]          # [L, T, 4HD]
+        r = torch.bmm(f, self.w) + self.mean_r[:, None, :]                               # [L, T, 2HD]
+        hd = fp.num_kv_heads * fp.head_dim
+        rk = r[..., :hd].reshape(fp.num_layers, -1, fp.num_kv_heads, fp.head_dim).permute(0, 2, 1, 3)
+        rv = r[..., hd:].reshape(fp.num_layers, -1, fp.num_kv_heads, fp.head_dim).permute(0, 2, 1, 3)
+        m = self.base.native_layers
+        if m:
+            rk[:m], rv[:m] = 0, 0
+        return keys + rk, values + rv
+
+
+def _context_rows(source, target, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target token ids of a context's rows (as `data.build_shards` kept them) and their positions."""
+    chunk_offsets = source.tokenize(text)[1]
+    ids, offsets = target.tokenize(text)
+    from mappers.token_alignment import align_tokens
+
+    ok = align_tokens(chunk_offsets, offsets, window=1).has_source
+    return ids, ok.nonzero().flatten()
+
+
+def fit_token_residual(base: "LinearVariant", lab: Path, source, target) -> dict[str, torch.Tensor]:
+    from cag.progress import Progress
+
+    fp = target.fingerprint
+    L, hd = fp.num_layers, fp.num_kv_heads * fp.head_dim
+    texts = {c["id"]: c["text"] for c in data.training_corpus()}
+    recorded = {c["id"]: c["sha256"] for c in json.loads((lab / "corpus.json").read_text())}
+    f_dim = 4 * hd
+    stats = {split: {"ff": torch.zeros(L, f_dim, f_dim, dtype=torch.float64),
+                     "fr": torch.zeros(L, f_dim, 2 * hd, dtype=torch.float64),
+                     "f": torch.zeros(L, f_dim, dtype=torch.float64), "r": torch.zeros(L, 2 * hd, dtype=torch.float64),
+                     "rr": torch.zeros(L, 2 * hd, dtype=torch.float64), "n": 0} for split in ("train", "held")}
+    paths = data.shard_paths(lab)
+    with Progress("lab token residual", total=len(paths), unit="shards", interval_s=20) as bar:
+        for path in paths:
+            shard = data.read_shard(path)
+            for ctx in json.loads(data.load_meta(path)["contexts"]):
+                text = texts[ctx]
+                if hashlib.sha256(text.encode()).hexdigest() != recorded[ctx]:
+                    raise ValueError(f"lab context {ctx} no longer reproduces its recorded text; rebuild the lab")
+                rows = shard["ctx"] == ctx
+                ids, pos = _context_rows(source, target, text)
+                item = {"xkv": shard["xkv"][rows], "has_source": torch.ones(int(rows.sum()), dtype=torch.bool)}
+                keys, values = base.translate(item, target)                              # [L, H, T', D]
+                y = data.split_target(shard["y"][rows].float(), L, fp.num_kv_heads)
+                res = torch.cat([(y[0] - keys).permute(0, 2, 1, 3).reshape(L, -1, hd),
+                                 (y[1] - values).permute(0, 2, 1, 3).reshape(L, -1, hd)], -1)   # [L, T', 2HD]
+                f = direct_features(target, ids)[:, pos]                                    # [L, T', 4HD]
+                st = stats["held" if is_heldout_context(ctx) else "train"]
+                st["ff"] += torch.bmm(f.transpose(1, 2), f).double()
+                st["fr"] += torch.bmm(f.transpose(1, 2), res).double()
+                st["f"] += f.sum(1).double()
+                st["r"] += res.sum(1).double()
+                st["rr"] += (res * res).sum(1).double()
+                st["n"] += f.shape[1]
+            bar.advance(1)
+    tr, ho = stats["train"], stats["held"]
+    n = tr["n"]
+    mf, mr = tr["f"] / n, tr["r"] / n
+    cff = tr["ff"] / n - mf[:, :, None] * mf[:, None, :]
+    cfr = tr["fr"] / n - mf[:, :, None] * mr[:, None, :]
+    tau = torch.diagonal(cff, dim1=1, dim2=2).mean(-1)                                       # [L]
+    best_w, best_sse = None, None
+    eye = torch.eye(f_dim, dtype=torch.float64)
+    m = ho["n"]
+    # held-out error of predicting the residual r by (f − mf)·W, from the held-out moments
+    hff = ho["ff"] - mf[:, :, None] * ho["f"][:, None, :] - ho["f"][:, :, None] * mf[:, None, :] \
+        + m * mf[:, :, None] * mf[:, None, :]
+    hfr = ho["fr"] - mf[:, :, None] * ho["r"][:, None, :]
+    for lam in TOK_LAMBDAS:
+        w = torch.linalg.solve(cff + lam * tau[:, None, None] * eye, cfr)                       # [L, F, 2HD]
+        sse = ho["rr"] - 2 * (hfr * w).sum(1) + (torch.bmm(hff, w) * w).sum(1)                   # [L, 2HD]
+        if best_sse is None:
+            best_w, best_sse = w.clone(), sse
+        else:
+            better = (sse.sum(-1) < best_sse.sum(-1))                                          # per layer
+            best_w[better], best_sse[better] = w[better], sse[better]
+    base_sse = ho["rr"].sum()  # the base variant's own held-out squared error
+    drop = float((base_sse - best_sse.sum()) / base_sse)
+    return {"w": best_w.float().contiguous(), "mean_f": mf.float().contiguous(), "mean_r": mr.float().contiguous(),
+            "sse_drop": torch.tensor(drop)}
+
+
 class CalibratedVariant(Variant):
     """A variant whose context keys get a learned per-(layer, head) logit scale (`eval.lab.calibrate`),
     fitted on the lab's *tune* lookup items and cached on disk."""
@@ -305,7 +416,7 @@ class CalibratedVariant(Variant):
         return keys * torch.exp(self.log_scale)[:, :, None, None], values
 
 
-_LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|cal)$")
+_LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|tok|cal)$")
 
 
 def make(name: str, lab: Path, source, target) -> Variant:
@@ -326,6 +437,9 @@ def make(name: str, lab: Path, source, target) -> Variant:
     basis, rows = basis_for(lab, "h" in levers)
     variant = LinearVariant(basis, rows, target.fingerprint.head_dim, rank=rank, hidden="h" in levers,
                             match="match" in levers, key_scale=key_scale, native_layers=native)
+    if "tok" in levers:
+        variant = TokenResidualVariant(variant, "+".join(lv for lv in [base, *levers] if lv not in ("tok", "cal")),
+                                       lab, source, target)
     if "cal" in levers:
         variant = CalibratedVariant(variant, "+".join(lv for lv in [base, *levers] if lv != "cal"), lab, target)
     return variant
@@ -336,26 +450,39 @@ def to_mapper(variant, source, target):
     learned per-head key scale folded in)."""
     from mappers.bottleneck import BottleneckMapper
 
-    log_scale = None
+    log_scale = tok = None
     if isinstance(variant, CalibratedVariant):
         variant, log_scale = variant.base, variant.log_scale
+    if isinstance(variant, TokenResidualVariant):
+        variant, tok = variant.base, variant
 
     if variant.hidden or variant.native_layers:
         raise ValueError("only K,V-feature variants without native layers map to the runtime bottleneck")
     sd = variant.sd
-    mapper = BottleneckMapper(source.fingerprint, target.fingerprint, {"rank": variant.rank})
+    mapper = BottleneckMapper(source.fingerprint, target.fingerprint,
+                              {"rank": variant.rank, "token_residual": tok is not None})
+    fp = target.fingerprint
     coef, y_mean = variant.coef * variant.scale[None, :], variant.my
-    if log_scale is not None:
+    extra = {}
+    if tok is not None:
+        extra = {"tok_w": tok.w.clone(), "tok_mean_f": tok.mean_f.clone(), "tok_mean_r": tok.mean_r.clone()}
+    if log_scale is not None:  # the learned scale multiplies whole keys: base map and token residual alike
         from eval.lab.calibrate import fold_into
 
-        coef, y_mean = fold_into(coef, y_mean, log_scale, target.fingerprint.head_dim)
+        coef, y_mean = fold_into(coef, y_mean, log_scale, fp.head_dim)
+        if tok is not None:
+            hd = fp.num_kv_heads * fp.head_dim
+            per_layer = torch.exp(log_scale).repeat_interleave(fp.head_dim, dim=1)       # [L, H·D]
+            extra["tok_w"][:, :, :hd] *= per_layer[:, None, :]
+            extra["tok_mean_r"][:, :hd] *= per_layer
     mapper.set_weights(proj=variant.proj / sd[:, None], bias=-(variant.mx / sd) @ variant.proj,
-                       coef=coef, y_mean=y_mean)
+                       coef=coef, y_mean=y_mean, **extra)
     mapper.fitted_on = {"train_rows": variant.train_rows,
                         "prefill_prefix": {"source": source.prefill_prefix, "target": target.prefill_prefix},
                         "lambdas_per_head": variant.lambdas, "spread_matched": variant.match,
                         "key_scale": variant.key_scale}
-    mapper.fidelity = {"heldout": {"r2": variant.heldout_r2}}
+    mapper.fidelity = {"heldout": {"r2": variant.heldout_r2,
+                                   **({"token_residual_sse_drop": tok.sse_drop} if tok is not None else {})}}
     return mapper
 
 

@@ -107,3 +107,27 @@ def test_lookup_calibration_lowers_its_loss_on_a_tiny_pair_and_folds_into_the_ma
     keys0, values0 = split_outputs(z @ coef + y_mean, fp.num_layers, fp.num_kv_heads)
     torch.testing.assert_close(keys, keys0 * torch.exp(log_scale)[:, :, None, None])
     torch.testing.assert_close(values, values0)
+
+
+def test_token_residual_and_learned_key_scale_fold_into_the_runtime_mapper(fitted, llama, gemma2tok, texts):
+    variant, _ = fitted
+    fp = gemma2tok.fingerprint
+    hd = fp.num_kv_heads * fp.head_dim
+    g = torch.Generator().manual_seed(5)
+    tok = object.__new__(variants.TokenResidualVariant)
+    tok.base, tok.train_rows, tok.sse_drop = variant, variant.train_rows, 0.1
+    tok.w = 0.05 * torch.randn(fp.num_layers, 4 * hd, 2 * hd, generator=g)
+    tok.mean_f = torch.randn(fp.num_layers, 4 * hd, generator=g)
+    tok.mean_r = 0.1 * torch.randn(fp.num_layers, 2 * hd, generator=g)
+    cal = object.__new__(variants.CalibratedVariant)
+    cal.base, cal.train_rows = tok, tok.train_rows
+    cal.log_scale, cal.history = 0.3 * torch.randn(fp.num_layers, fp.num_kv_heads, generator=g), [1.0, 0.5]
+    mapper = variants.to_mapper(cal, llama, gemma2tok)
+    assert mapper.token_residual
+    text = texts[1]
+    ids = gemma2tok.tokenize(text)[0]
+    item = {**_item(llama, gemma2tok, text), "token_ids": ids}
+    keys, values = cal.translate(item, gemma2tok)
+    out = mapper.translate(llama.prefill(text), text, gemma2tok)
+    torch.testing.assert_close(out.keys, keys, rtol=2e-2, atol=3e-2)
+    torch.testing.assert_close(out.values, values, rtol=2e-2, atol=3e-2)
