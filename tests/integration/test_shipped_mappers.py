@@ -62,3 +62,19 @@ def test_auto_picks_the_lowest_kl_and_heterofold_is_live_better_on_an_evaluation
     live = {m: measure_fidelity(resolve_mapper(m, source.fingerprint, target), source, target, [text],
                                 attention=False)["kl"] for m in ("ridge", "heterofold")}
     assert live["heterofold"] < live["ridge"]
+
+
+def test_shipped_bottleneck_is_within_budget_loads_for_its_pair_and_beats_no_context_on_lab_lookups(models):
+    folder = PRETRAINED / "smollm2-135m__qwen2.5-0.5b__bottleneck"
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    assert size <= 20e6, f"{folder.name} is {size / 1e6:.1f} MB"
+    source, target = models["smollm2-135m"], models["qwen2.5-0.5b"]
+    mapper = resolve_mapper("bottleneck", source.fingerprint, target)
+    lab = mapper.card()["fidelity"]["lab_lookup"]
+    assert lab["n"] >= 40 and lab["found"] > lab["no_context_found"] and lab["gold_ll"] > lab["no_context_gold_ll"] + 1
+    assert mapper.fitted_on["prefill_prefix"] == {"source": source.prefill_prefix, "target": target.prefill_prefix}
+    text = " ".join(essay_text(evaluation_essays()[0]).split()[100:220])
+    out = mapper.translate(source.prefill(text), text, target)
+    fp = target.fingerprint
+    assert out.keys.shape == (fp.num_layers, fp.num_kv_heads, target.tokenize(text)[0].numel(), fp.head_dim)
+    assert bool(out.keys.isfinite().all()) and bool(out.values.isfinite().all())
