@@ -42,7 +42,7 @@ TOKEN_NAMES = ("tok_w", "tok_mean_f", "tok_mean_r")
 
 def direct_features(target, ids: torch.Tensor) -> torch.Tensor:
     """``[L, T, 4·Ht·Dt]``: per target layer, the direct path (keys, values) of tokens t and t−1."""
-    now = torch.cat([direct_path(target, ids, "keys"), direct_path(target, ids, "values")], -1)
+    now = direct_path(target, ids, "both")
     prev = torch.zeros_like(now)
     prev[:, 1:] = now[:, :-1]
     return torch.cat([now, prev], -1)

@@ -78,7 +78,8 @@ def gather_features(source_kv: torch.Tensor, layer_index: torch.Tensor, alignmen
 @torch.no_grad()
 def direct_path(target, ids: torch.Tensor, kind: str) -> torch.Tensor:
     """``[Lt, T, D]``: each target token's embedding through every layer's input norm and
-    k (or v) projection, as if nothing else were in the residual stream (fp32).
+    k (or v) projection, as if nothing else were in the residual stream (fp32);
+    ``kind="both"`` gives keys then values ``[Lt, T, 2D]`` with each norm computed once.
 
     The target's own view of *which token* sits at each position, in that layer's
     K/V space (keys before RoPE, i.e. de-rotated); a source model with another
@@ -90,13 +91,15 @@ def direct_path(target, ids: torch.Tensor, kind: str) -> torch.Tensor:
     for layer in model.layers:
         x = layer.input_layernorm(h)
         attn = layer.self_attn
-        if kind == "keys":
+        parts = []
+        if kind in ("keys", "both"):
             y = attn.k_proj(x)
             if getattr(attn, "k_norm", None) is not None:  # Gemma 3 normalises each key head
                 y = attn.k_norm(y.view(*y.shape[:2], -1, attn.head_dim)).flatten(2)
-        else:
-            y = attn.v_proj(x)
-        out.append(y[0].float())
+            parts.append(y)
+        if kind in ("values", "both"):
+            parts.append(attn.v_proj(x))
+        out.append(torch.cat(parts, -1)[0].float())
     return torch.stack(out).cpu()
 
 
