@@ -122,14 +122,16 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
         docs = [(f"essays-{n}", cut_to_tokens(text, target_lm.tokenizer, n)) for n in lengths]
         stores = {"native_cache": work_dir / f"store-{target}"}
         build_store(docs, stores["native_cache"], target_lm, chunk_tokens=chunk_tokens)
+        # min_retention=0: the bench times each path as built; the quality gate would serve
+        # direct context instead of a path that fails it, and the bench would time that
         contexts = {"native_cache": CachedContext(store=stores["native_cache"], target=target, mapper="identity",
-                                                  translation_cache_mb=0, max_new_tokens=1)}
+                                                  translation_cache_mb=0, max_new_tokens=1, min_retention=0.0)}
         if source != target:
             source_store = work_dir / f"store-{source}"
             build_store(docs, source_store, registry.load(source, "auto"), chunk_tokens=chunk_tokens)
             for method in methods:
                 ctx = CachedContext(store=source_store, target=target, mapper=method, translation_cache_mb=0,
-                                    max_new_tokens=1)
+                                    max_new_tokens=1, min_retention=0.0)
                 try:
                     contexts[f"cache:{ctx.active_mapper.method}"] = ctx
                 except (MapperNotFoundError, ValueError) as exc:
@@ -161,6 +163,9 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                             a = ctx.answer_direct(QUESTION, hits["native_cache"], max_new_tokens=1)
                         else:
                             a = ctx.answer(QUESTION, hits[cond], max_new_tokens=1)
+                            if a.path == "direct":
+                                raise RuntimeError(f"{cond}: the context served direct context, not the "
+                                                   f"cached path ({a.gate.get('reason')})")
                         tokens[cond] = a.context_tokens
                         return search + a.timings.first_token, a.timings
                     ttft, timings = _measure(once)
