@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from cag.kv import KVChunk, ModelFingerprint, text_sha256
+from cag.kv import FLOAT_DTYPES, KVChunk, ModelFingerprint, normalize_dtype, text_sha256
 
 ARTIFACT_FORMAT = "cag-mapper"
 ARTIFACT_VERSION = 1
@@ -87,6 +87,21 @@ def available_methods() -> list[str]:
 
 def _import_builtin_methods() -> None:
     from mappers import bottleneck, heterofold, identity, latent, mot, ridge  # noqa: F401  (registration side effect)
+
+
+def runtime_dtype(compute_dtype: str) -> torch.dtype:
+    """What a mapper computes in: its artifact's ``compute_dtype``, except bf16 on a host whose
+    models run in fp32 (no native bf16 arithmetic; `cag.models.registry.compute_dtype`).
+
+    There torch emulates bf16 matmuls: MoT (bf16) translated 4,094 tokens in 25.5 s that way
+    on the 2-core AVX2 host, about 20x its fp32 time (eval/results/ttft.md). fp32 only removes
+    rounding that no fit depends on."""
+    from cag.models.registry import compute_dtype as host_dtype
+
+    dtype = FLOAT_DTYPES[normalize_dtype(compute_dtype)]
+    if dtype == torch.bfloat16 and host_dtype() != "bfloat16":
+        return torch.float32
+    return dtype
 
 
 class Mapper(ABC):

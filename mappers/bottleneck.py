@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from cag.kv import FLOAT_DTYPES, KVChunk, normalize_dtype
-from mappers.base import Mapper, MapperArtifactError, register_mapper
+from mappers.base import Mapper, MapperArtifactError, register_mapper, runtime_dtype
 from mappers.linear import direct_path, flatten_heads
 from mappers.token_alignment import align_tokens
 
@@ -135,7 +135,7 @@ class BottleneckMapper(Mapper):
     def _translate_batch(self, chunks: list[KVChunk], texts: list[str], target) -> list[KVChunk]:
         if not self.weights:
             raise MapperArtifactError("bottleneck mapper is not fitted")
-        dtype = FLOAT_DTYPES[normalize_dtype(self.settings["compute_dtype"])]
+        dtype = runtime_dtype(self.settings["compute_dtype"])
         w = {k: v.to(dtype) for k, v in self.weights.items()}
         # One pair of matmuls for all chunks of the query: rows of every chunk stacked.
         rows, metas = [], []

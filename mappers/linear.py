@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from cag.kv import FLOAT_DTYPES, KVChunk, ModelFingerprint, normalize_dtype
-from mappers.base import Mapper, MapperArtifactError
+from mappers.base import Mapper, MapperArtifactError, runtime_dtype
 from mappers.layer_alignment import align_layers
 from mappers.stats import MomentAccumulator
 from mappers.token_alignment import TokenAlignment, align_tokens
@@ -180,7 +180,7 @@ class LinearKVMapper(Mapper):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return FLOAT_DTYPES[normalize_dtype(self.settings["compute_dtype"])]
+        return runtime_dtype(self.settings["compute_dtype"])
 
     def _require_fitted(self) -> None:
         if not self.x_mean:
