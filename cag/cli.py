@@ -546,16 +546,28 @@ def eval_cmd(
                                                   "question (where the target's question attends), first_k "
                                                   "(EPIC), source (the store's source model's contrastive "
                                                   "attention) or retriever (sentence embeddings).")] = "deviation",
+    dtype: Annotated[str | None, typer.Option(help="Storage format of the store built for the questions: "
+                                              "bfloat16 (default), int8 or float8_e4m3fn.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),
     as_json: JsonFlag = False,
 ) -> None:
     """Quality retention against direct context: every condition, same chunks; writes a report."""
     from eval import datasets as ds
     from eval.run import run_eval
+    from stores.errors import StoreError
 
     if profile not in PROFILES:
         raise _fail(f"unknown profile {profile!r}; use quick or full")
     prof = PROFILES[profile]
+    if dtype is not None and store is not None:
+        raise _fail("--dtype sets the format of the store cag eval builds; a given --store keeps its own")
+    if dtype is not None:
+        from cag.kv import UnknownDtypeError, normalize_dtype
+
+        try:
+            dtype = normalize_dtype(dtype)
+        except UnknownDtypeError as e:
+            raise _fail(str(e)) from None
     targets = targets or ["qwen2.5-0.5b", "gemma3-270m"]
     methods = methods or ["auto"]
     try:
@@ -578,8 +590,9 @@ def eval_cmd(
     try:  # progress goes to stderr (cag.progress), so --json keeps stdout to the summary
         summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
                            top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
-                           recompute_ratio=recompute, recompute_select=recompute_select, progress=True)
-    except (registry.ModelError, ValueError) as e:
+                           recompute_ratio=recompute, recompute_select=recompute_select, progress=True,
+                           dtype=dtype or "bfloat16")
+    except (registry.ModelError, ValueError, StoreError) as e:
         raise _fail(str(e)) from None
     if as_json:
         print(json.dumps(summary), flush=True)

@@ -31,8 +31,9 @@ RESULTS, SUMMARY, TABLE = "results.jsonl", "results.json", "results.md"
 
 
 def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, embedder=None,
-                     progress: bool = False, on_event: Callable[[Any], None] | None = None):
-    """One store holding every document of `items`, prefilled by `source`."""
+                     progress: bool = False, on_event: Callable[[Any], None] | None = None,
+                     dtype: str = "bfloat16"):
+    """One store holding every document of `items`, prefilled by `source`, its chunks stored in `dtype`."""
     from stores.build import build_store
 
     docs: dict[str, str] = {}
@@ -42,7 +43,8 @@ def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, 
     if not docs:
         raise ValueError("these questions bring no documents; pass --store with a built store")
     return build_store(sorted(docs.items()), store_dir, registry.load(source, "auto"),
-                       chunk_tokens=chunk_tokens, embedder=embedder, progress=progress, on_event=on_event)
+                       chunk_tokens=chunk_tokens, embedder=embedder, progress=progress, on_event=on_event,
+                       dtype=dtype)
 
 
 def _done(path: Path) -> set[tuple[str, str]]:
@@ -62,8 +64,11 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
              targets: Sequence[str] = ("qwen2.5-0.5b", "gemma3-270m"), methods: Sequence[str] = ("auto",),
              top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
              recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "",
-             progress: bool = False, prefill_rate_tokens: int = 1024) -> dict[str, Any]:
+             progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str = "bfloat16") -> dict[str, Any]:
     """Every condition on every (question, target) not yet in ``out_dir/results.jsonl``; the summary.
+
+    `dtype`: the storage format of the store built for the questions (its chunks, and the
+    target's own chunks written through it); a given `store` keeps its own.
 
     `progress`: report on stderr (`cag.progress.Progress`: a bar on a terminal,
     plain lines elsewhere). Each target's prefill rate is measured in this run
@@ -74,10 +79,11 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
 
     host = host_info()  # before the run loads the machine itself
     out_dir.mkdir(parents=True, exist_ok=True)
-    if store is None:
+    built = store is None
+    if built:
         store = out_dir / "store"
         with build_progress("cag eval: store") if progress else nullcontext({}) as kw:
-            build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder, **kw)
+            build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder, dtype=dtype, **kw)
     results_path = out_dir / RESULTS
     done = _done(results_path)
     notes: list[str] = []
@@ -127,7 +133,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "prefill": rates, "source": source,
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
                       "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
-                      "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens}
+                      "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens,
+                      "dtype": dtype if built else "(the given store's)"}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     (out_dir / TABLE).write_text(render_markdown(summary))
     plot(summary, out_dir)

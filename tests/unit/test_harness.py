@@ -82,3 +82,22 @@ def test_run_eval_writes_report_and_resumes(setup, tmp_path):
                      top_k=2, max_new_tokens=4, embedder=HashEmbedder())
     assert len((out / "results.jsonl").read_text().splitlines()) == len(items)
     assert again["rows"] == len(items)
+
+
+def test_run_eval_builds_its_store_in_the_dtype_asked(setup, tmp_path):
+    from cag.kv import read_metadata
+    from stores.location import open_store
+
+    root, model, items = setup
+    out = tmp_path / "int8"
+    summary = run_eval(items[:1], out, source=model, targets=[model], methods=["identity"], top_k=2,
+                       max_new_tokens=2, chunk_tokens=32, embedder=HashEmbedder(), dtype="int8")
+    assert summary["run"]["dtype"] == "int8"
+    location = open_store(out / "store")
+    assert location.load_manifest(location.current_version()).chunker["dtype"] == "int8"
+    chunks = location.chunks()
+    try:
+        frames = [chunks.get(k) for k in chunks.keys()]
+    finally:
+        chunks.close()
+    assert frames and {read_metadata(f)["dtype"] for f in frames} == {"int8"}
