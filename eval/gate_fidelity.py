@@ -1,6 +1,8 @@
 """Measure each serving path's lookup fidelity on calibration items and record it for the gate.
 
     python eval/gate_fidelity.py --sources smollm2-135m qwen2.5-0.5b gemma3-270m --n 40
+    python eval/gate_fidelity.py --sources smollm2-135m --targets qwen2.5-0.5b --n 30 \
+        --methods bottleneck --out eval/results/gate-bottleneck     # one more mapper, its own folder
 
 For every source model, one resumable `cag eval` run (`eval.run.run_eval`) over
 `calib-lookup` items (calibration-side, `eval/calibration_lookup.py`) answers each
@@ -57,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sources", nargs="+", default=list(MODELS))
     ap.add_argument("--targets", nargs="+", default=list(MODELS), help="answering models (each source's own "
                     "model is always one: its native path)")
+    ap.add_argument("--methods", nargs="+", default=["auto"], help="the mappers whose translated path is "
+                    "measured and recorded in their cards (default: the one auto picks today)")
     ap.add_argument("--n", type=int, default=40, help="calibration questions per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=16)
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
         if repair:  # the same store and items as the plain run, recomputing the crux
             store, out = out / "store", args.out / f"source-{source}-repair{args.repair:g}-{args.repair_select}"
         print(f"gate_fidelity: {source} → {', '.join(targets)} ({len(items)} items) in {out}", file=sys.stderr)
-        run_eval(items, out, store=store, source=source, targets=targets, methods=["auto"],
+        run_eval(items, out, store=store, source=source, targets=targets, methods=args.methods,
                  max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
                  recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation")
         wanted = {item.id for item in items}  # a resumed folder may hold more items than this run's
@@ -100,22 +104,25 @@ def main(argv=None) -> int:
                                **rec})
             if target == source:
                 continue
-            try:
-                mapper = resolve_mapper("auto", src_fp, lm)
-            except MapperNotFoundError:
-                continue
-            cond = f"cache:{mapper.method}"
-            rec = {"method": mapper.method, **path_record(mine, cond, items_name)}
-            if repair:
-                rec["repair"] = repair
-            report.append({"source": source, "target": target,
-                           "path": "translated" + ("+repair" if repair else ""), **rec})
-            for folder, card in cards.values():
-                if (card["source"].get("name"), card["target"].get("name"), card.get("method")) == \
-                        (source, target, mapper.method) and not args.no_write:
-                    card = Mapper.read_card(folder)
-                    card.setdefault("fidelity", {})["lookup_repair" if repair else "lookup"] = rec
-                    write_card(folder, card)
+            for method in args.methods:
+                try:
+                    mapper = resolve_mapper(method, src_fp, lm)
+                except MapperNotFoundError:
+                    continue
+                cond = f"cache:{mapper.method}"
+                if not any(cond in r["results"] for r in mine):
+                    continue  # a resumed folder from a run that measured other methods
+                rec = {"method": mapper.method, **path_record(mine, cond, items_name)}
+                if repair:
+                    rec["repair"] = repair
+                report.append({"source": source, "target": target,
+                               "path": "translated" + ("+repair" if repair else ""), **rec})
+                for folder, card in cards.values():
+                    if (card["source"].get("name"), card["target"].get("name"), card.get("method")) == \
+                            (source, target, mapper.method) and not args.no_write:
+                        card = Mapper.read_card(folder)
+                        card.setdefault("fidelity", {})["lookup_repair" if repair else "lookup"] = rec
+                        write_card(folder, card)
     if not args.no_write:  # merged into the file as it is now: another run may have written it meanwhile
         current = json.loads(native_path.read_text()) if native_path.is_file() else {}
         for section, records in native.items():
