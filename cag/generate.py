@@ -11,8 +11,10 @@ matters for a 150k-262k-word vocabulary.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -36,14 +38,25 @@ class Generation:
     stopped_by: str = "length"  # "stop_token" | "length"
 
 
+_STOP_IDS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], frozenset[int]]]" = weakref.WeakKeyDictionary()
+
+
 def stop_token_ids(tokenizer, extra: Iterable[str] = ("<|im_end|>", "<end_of_turn>", "<|endoftext|>")) -> set[int]:
-    """The EOS id plus the end-of-turn markers of the chat formats we know, where the vocabulary has them."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in extra if t in vocab)
-    return ids
+    """The EOS id plus the end-of-turn markers of the chat formats we know, where the vocabulary has them.
+
+    Once per tokenizer: its vocabulary dict takes 0.24 s to build for Qwen2.5's 151k tokens,
+    which every answer used to pay before its first token.
+    """
+    key = tuple(extra)
+    per_tokenizer = _STOP_IDS.setdefault(tokenizer, {})
+    if key not in per_tokenizer:
+        ids = set()
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        vocab = tokenizer.get_vocab()
+        ids.update(vocab[t] for t in key if t in vocab)
+        per_tokenizer[key] = frozenset(ids)
+    return set(per_tokenizer[key])
 
 
 def last_logits(model, input_ids: torch.Tensor, cache: DynamicCache, *, positions: int = 1) -> torch.Tensor:
