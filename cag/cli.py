@@ -201,8 +201,9 @@ def build(
     source: Annotated[str, typer.Option(help="Source model: short name, folder or HF id.")] = "smollm2-135m",
     chunk_tokens: Annotated[int, typer.Option(help="Target chunk size in source tokens.", min=8)] = 256,
     batch: Annotated[int, typer.Option(help="Chunks per source-model forward.", min=1)] = 4,
-    dtype: Annotated[str, typer.Option(help="Storage dtype of K/V: bfloat16, float16, float32, "
-                                            "int8 or float8_e4m3fn (8-bit codes + scales).")] = "bfloat16",
+    dtype: Annotated[str | None, typer.Option(help="Storage dtype of K/V: int8 or float8_e4m3fn (8-bit codes + "
+                                                   "scales), bfloat16, float16, float32. Default: int8 for a new "
+                                                   "store, an existing store's own.", show_default=False)] = None,
     embedder: Annotated[str | None, typer.Option(help="sentence-transformers id or path "
                                                      "(default: the packaged all-MiniLM-L6-v2).")] = None,
     max_doc_mb: Annotated[float, typer.Option(help="Refuse documents larger than this.")] = 16.0,
@@ -547,7 +548,7 @@ def eval_cmd(
                                                   "(EPIC), source (the store's source model's contrastive "
                                                   "attention) or retriever (sentence embeddings).")] = "deviation",
     dtype: Annotated[str | None, typer.Option(help="Storage format of the store built for the questions: "
-                                              "bfloat16 (default), int8 or float8_e4m3fn.")] = None,
+                                              "int8 (default, as cag build), bfloat16 or float8_e4m3fn.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),
     as_json: JsonFlag = False,
 ) -> None:
@@ -591,7 +592,7 @@ def eval_cmd(
         summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
                            top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
                            recompute_ratio=recompute, recompute_select=recompute_select, progress=True,
-                           dtype=dtype or "bfloat16")
+                           dtype=dtype)
     except (registry.ModelError, ValueError, StoreError) as e:
         raise _fail(str(e)) from None
     if as_json:

@@ -26,14 +26,17 @@ from cag.models import registry
 from cag.progress import Progress, build_progress
 from eval import metrics
 from eval.harness import DIRECT, NO_CONTEXT, ItemRunner, host_info, host_line, measure_prefill_rate
+from stores.build import existing_dtype
+from stores.location import open_store
 
 RESULTS, SUMMARY, TABLE = "results.jsonl", "results.json", "results.md"
 
 
 def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, embedder=None,
                      progress: bool = False, on_event: Callable[[Any], None] | None = None,
-                     dtype: str = "bfloat16"):
-    """One store holding every document of `items`, prefilled by `source`, its chunks stored in `dtype`."""
+                     dtype: str | None = None):
+    """One store holding every document of `items`, prefilled by `source`, its chunks stored in `dtype`
+    (None: `cag build`'s default)."""
     from stores.build import build_store
 
     docs: dict[str, str] = {}
@@ -64,11 +67,12 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
              targets: Sequence[str] = ("qwen2.5-0.5b", "gemma3-270m"), methods: Sequence[str] = ("auto",),
              top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
              recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "",
-             progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str = "bfloat16") -> dict[str, Any]:
+             progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str | None = None) -> dict[str, Any]:
     """Every condition on every (question, target) not yet in ``out_dir/results.jsonl``; the summary.
 
     `dtype`: the storage format of the store built for the questions (its chunks, and the
-    target's own chunks written through it); a given `store` keeps its own.
+    target's own chunks written through it; None: `cag build`'s default); a given `store`
+    keeps its own.
 
     `progress`: report on stderr (`cag.progress.Progress`: a bar on a terminal,
     plain lines elsewhere). Each target's prefill rate is measured in this run
@@ -83,7 +87,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
     if built:
         store = out_dir / "store"
         with build_progress("cag eval: store") if progress else nullcontext({}) as kw:
-            build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder, dtype=dtype, **kw)
+            dtype = build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder,
+                                     dtype=dtype, **kw).dtype
     results_path = out_dir / RESULTS
     done = _done(results_path)
     notes: list[str] = []
@@ -134,7 +139,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
                       "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens,
-                      "dtype": dtype if built else "(the given store's)"}
+                      "dtype": dtype if built else existing_dtype(open_store(store))}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     (out_dir / TABLE).write_text(render_markdown(summary))
     plot(summary, out_dir)

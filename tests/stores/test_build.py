@@ -247,3 +247,21 @@ def test_readers_see_whole_versions_during_builds(tmp_path, llama):
         stop.set()
         thread.join()
     assert reads[0] > 5 and not problems
+
+
+def test_new_stores_default_to_int8_and_an_existing_store_keeps_its_format(tmp_path, llama):
+    from stores.build import DEFAULT_CHUNK_DTYPE
+    from stores.errors import StoreMismatchError
+
+    corpus = write_corpus(tmp_path / "c", {"a.txt": doc(1)})
+    fresh = build(corpus, tmp_path / "new", llama)
+    assert fresh.dtype == DEFAULT_CHUNK_DTYPE == "int8"
+    assert open_current(tmp_path / "new", HashEmbedder())[0].chunker["dtype"] == "int8"
+    # a store built in bf16 (before the default changed) keeps building in bf16 without --dtype
+    build(corpus, tmp_path / "old", llama, dtype="bfloat16")
+    (corpus / "b.txt").write_text(doc(2))
+    again = build(corpus, tmp_path / "old", llama)
+    assert again.dtype == "bfloat16" and again.new == 1 and again.published
+    assert open_current(tmp_path / "old", HashEmbedder())[0].chunker["dtype"] == "bfloat16"
+    with pytest.raises(StoreMismatchError):  # asking for another format is still refused
+        build(corpus, tmp_path / "old", llama, dtype="int8")
