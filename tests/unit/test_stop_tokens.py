@@ -1,8 +1,15 @@
 """Stop ids are computed once per tokenizer: building the vocabulary dict costs 0.24-0.6 s per call
 on the real 151k-262k vocabularies, and every answer asked for it before its first token."""
 
+import copy
+
 from cag.generate import stop_token_ids
-from tests.tiny import tiny_tokenizer
+from tests.tiny import tiny_tokenizer as shared_tokenizer
+
+
+def tiny_tokenizer():
+    """A tokenizer object no other test has asked stop ids of (the shared one is cached)."""
+    return copy.deepcopy(shared_tokenizer())
 
 
 def test_stop_ids_read_the_vocabulary_once_per_tokenizer(monkeypatch):
