@@ -143,15 +143,15 @@ def main(argv=None) -> int:
               flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
         folders[dtype] = folder
+    run = json.loads((folders[args.dtypes[0]] / "results.json").read_text())["run"]
     report = compare(folders)
     report.update(command=shlex.join(["python", "eval/eval_chunk_dtype.py", *argv]),
-                  date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                  machine=" ".join(host_line(run["host"], run["prefill"]) for run in
-                                   [json.loads((folders[args.dtypes[0]] / "results.json").read_text())["run"]]))
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"), machine=host_line(run["host"], run["prefill"]))
+    table = render(report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chunk_dtype.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "chunk_dtype.md").write_text(render(report))
-    print(render(report))
+    (args.out / "chunk_dtype.md").write_text(table)
+    print(table)
     return 0
 
 

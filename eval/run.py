@@ -50,6 +50,14 @@ def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, 
                        dtype=dtype)
 
 
+def _store_dtype(store) -> str | None:
+    location = open_store(store)
+    try:
+        return existing_dtype(location)
+    finally:
+        location.close()
+
+
 def _done(path: Path) -> set[tuple[str, str]]:
     if not path.exists():
         return set()
@@ -139,7 +147,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
                       "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens,
-                      "dtype": dtype if built else existing_dtype(open_store(store))}
+                      "dtype": dtype if built else _store_dtype(store)}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     (out_dir / TABLE).write_text(render_markdown(summary))
     plot(summary, out_dir)

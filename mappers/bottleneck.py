@@ -38,6 +38,7 @@ from mappers.token_alignment import align_tokens
 
 NAMES = ("proj", "bias", "coef", "y_mean")
 TOKEN_NAMES = ("tok_w", "tok_mean_f", "tok_mean_r")
+MATRICES = ("proj", "coef", "tok_w")  # rounded to the storage dtype; biases and means stay fp32
 
 
 def direct_features(target, ids: torch.Tensor) -> torch.Tensor:
@@ -46,6 +47,18 @@ def direct_features(target, ids: torch.Tensor) -> torch.Tensor:
     prev = torch.zeros_like(now)
     prev[:, 1:] = now[:, :-1]
     return torch.cat([now, prev], -1)
+
+
+def token_residual(target, ids: torch.Tensor, w: torch.Tensor, mean_f: torch.Tensor,
+                   mean_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The direct-path correction of keys and of values ``[L, H, T, D]``: per layer l,
+    ``(f_l − mean_f_l) · w_l + mean_r_l`` over `direct_features` f."""
+    fp = target.fingerprint
+    f = direct_features(target, ids) - mean_f[:, None, :]                                 # [L, T, 4HD]
+    r = torch.bmm(f, w) + mean_r[:, None, :]                                              # [L, T, 2HD]
+    hd = fp.num_kv_heads * fp.head_dim
+    shape = (fp.num_layers, -1, fp.num_kv_heads, fp.head_dim)
+    return r[..., :hd].reshape(shape).permute(0, 2, 1, 3), r[..., hd:].reshape(shape).permute(0, 2, 1, 3)
 
 
 def all_layer_features(chunk: KVChunk) -> torch.Tensor:
@@ -93,13 +106,12 @@ class BottleneckMapper(Mapper):
     def set_weights(self, **tensors: torch.Tensor) -> None:
         """Install fitted weights, rounded to their storage dtype (what is measured is what is saved)."""
         store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
-        big = ("proj", "coef", "tok_w")  # the matrices; biases and means stay fp32
-        self.weights = {k: (v.to(store) if k in big else v).float() for k, v in tensors.items()}
+        self.weights = {k: (v.to(store) if k in MATRICES else v).float() for k, v in tensors.items()}
         self._check(self.weights)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
-        return {k: (v.to(store) if k in ("proj", "coef", "tok_w") else v) for k, v in self.weights.items()}
+        return {k: (v.to(store) if k in MATRICES else v) for k, v in self.weights.items()}
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> None:
         r, f, d = int(self.settings["rank"]), self.num_features, self.num_outputs
@@ -121,15 +133,6 @@ class BottleneckMapper(Mapper):
     def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._check(tensors)
         self.weights = {k: v.float() for k, v in tensors.items()}
-
-    def _token_residual(self, target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per layer, the direct-path correction ``[L, H, T, D]`` of keys and of values."""
-        fp, w = self.target, self.weights
-        f = direct_features(target, ids) - w["tok_mean_f"][:, None, :]
-        r = torch.bmm(f, w["tok_w"]) + w["tok_mean_r"][:, None, :]                       # [L, T, 2HD]
-        hd = fp.num_kv_heads * fp.head_dim
-        shape = (fp.num_layers, -1, fp.num_kv_heads, fp.head_dim)
-        return (r[..., :hd].reshape(shape).permute(0, 2, 1, 3), r[..., hd:].reshape(shape).permute(0, 2, 1, 3))
 
     @torch.no_grad()
     def _translate_batch(self, chunks: list[KVChunk], texts: list[str], target) -> list[KVChunk]:
@@ -153,7 +156,8 @@ class BottleneckMapper(Mapper):
             part[~has_source] = w["y_mean"]  # a target token with no admissible source: the mean
             keys, values = split_outputs(part.float(), fp.num_layers, fp.num_kv_heads)
             if self.token_residual:
-                rk, rv = self._token_residual(target, ids)
+                t = self.weights  # in fp32, as the direct path is
+                rk, rv = token_residual(target, ids, t["tok_w"], t["tok_mean_f"], t["tok_mean_r"])
                 keys, values = keys + rk, values + rv
             out.append(self._target_chunk(keys, values, ids, offsets, chunk, target))
         return out

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval.lab import data
-from mappers.bottleneck import direct_features  # the runtime's own definition
+from mappers.bottleneck import direct_features, token_residual  # the runtime's own definitions
 
 LAMBDAS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # relative to the mean eigenvalue
 HELD_OUT_FRACTION = 0.1
@@ -290,13 +290,8 @@ class TokenResidualVariant(Variant):
         return f"{self.base.describe()}, + target-token residual per layer (held-out error −{100 * self.sse_drop:.1f}%)"
 
     def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
-        fp = target.fingerprint
         keys, values = self.base.translate(item, target)
-        f = direct_features(target, item["token_ids"]) - self.mean_f[:, None, :]          # [L, T, 4HD]
-        r = torch.bmm(f, self.w) + self.mean_r[:, None, :]                               # [L, T, 2HD]
-        hd = fp.num_kv_heads * fp.head_dim
-        rk = r[..., :hd].reshape(fp.num_layers, -1, fp.num_kv_heads, fp.head_dim).permute(0, 2, 1, 3)
-        rv = r[..., hd:].reshape(fp.num_layers, -1, fp.num_kv_heads, fp.head_dim).permute(0, 2, 1, 3)
+        rk, rv = token_residual(target, item["token_ids"], self.w, self.mean_f, self.mean_r)
         m = self.base.native_layers
         if m:
             rk[:m], rv[:m] = 0, 0
