@@ -365,6 +365,12 @@ def query(
                                              min=0.0, max=1.0)] = 0.0,
     recompute_select: Annotated[str, typer.Option(help="deviation, question, first_k, source or retriever "
                                                   "(see CachedContext.recompute_select).")] = "deviation",
+    context_temperature: Annotated[float | None, typer.Option(
+        help="APE: attention temperature over the placed context (default: the target's calibrated value on "
+             "the native path, 1 on a translated one).", min=0.0, show_default=False)] = None,
+    context_scale: Annotated[float | None, typer.Option(
+        help="APE: scale of the context's attention weight (default: as for the temperature).",
+        min=0.0, show_default=False)] = None,
     min_retention: Annotated[float, typer.Option(help="Quality gate: least found-rate retention a cached path "
                                                  "must have measured to be served (0 = serve it anyway).",
                                                  min=0.0, max=1.0)] = DEFAULT_MIN_RETENTION,
@@ -387,7 +393,8 @@ def query(
     try:
         ctx = CachedContext(store=store, target=target, mapper=mapper, top_k=top_k, recompute_ratio=recompute,
                             recompute_select=recompute_select, min_retention=min_retention, fallback=fallback,
-                            max_new_tokens=max_new_tokens)
+                            max_new_tokens=max_new_tokens, context_temperature=context_temperature,
+                            context_scale=context_scale)
     except ValidationError as e:
         raise _fail(str(e)) from None
     try:

@@ -184,10 +184,12 @@ class CachedContext(BaseModel):
         "source model's contrastive question attention points, over its own chunks: for translated caches), "
         "'retriever' (sentences closest to the question by embedding). See cag.selection.")
     recompute_first_k: int = Field(16, ge=0, description="Tokens per chunk for recompute_select='first_k'.")
-    context_temperature: float = Field(1.0, gt=0.0, description="APE: the question's attention logits over "
-                                       "the placed context are divided by T (full-attention layers).")
-    context_scale: float = Field(1.0, gt=0.0, description="APE: the context's attention weight is scaled by S "
-                                 "(log S added to its logits).")
+    context_temperature: float | None = Field(None, gt=0.0, description="APE: the question's attention logits "
+                                              "over the placed context are divided by T (full-attention layers). "
+                                              "None: the target's calibrated default on the native path "
+                                              "(cag.ape), 1 on a translated one.")
+    context_scale: float | None = Field(None, gt=0.0, description="APE: the context's attention weight is "
+                                        "scaled by S (log S added to its logits). None: as for T.")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -336,6 +338,20 @@ class CachedContext(BaseModel):
         """The mapper this context translates the store's chunks with."""
         return self._ready()[1]
 
+    def ape_settings(self, native: bool | None = None) -> tuple[float, float]:
+        """APE's (T, S) for this context's path: the fields where set, else the calibrated default (cag.ape).
+
+        `native`: whether the placed chunks are the target's own (default: whether this
+        context's mapper is the identity; the harness asks for the target's own chunks of
+        a store another model built)."""
+        from cag.ape import resolve
+
+        if native is None:
+            native = self._ready()[1].method == "identity"
+        lm = self._ready_target()[0]
+        return resolve(self.context_temperature, self.context_scale, fingerprint_id=lm.fingerprint.id,
+                       native=native)
+
     @property
     def target_model_name(self) -> str:
         return self.target_model.name
@@ -424,9 +440,10 @@ class CachedContext(BaseModel):
             answer, t0 = prepared.answer, prepared.started
             self._gate_answer(answer, decision, lm)
             self._last_answer = answer
+            temperature, scale = self.ape_settings()
+
             def ape():
-                return context_temperature(lm.model, *prepared.context_span, temperature=self.context_temperature,
-                                           scale=self.context_scale)
+                return context_temperature(lm.model, *prepared.context_span, temperature=temperature, scale=scale)
             steps = _within(ape, stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
                                                max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer)))
             yield from _timed(steps, answer, t0)
@@ -616,7 +633,8 @@ class CachedContext(BaseModel):
                 data = self._chunks.get(hit.key)
                 if data is None:
                     raise ChunkError("missing from the chunk store")
-                chunk = KVChunk.from_bytes(data, expect_model=manifest.source_fingerprint)
+                # 8-bit chunks decode straight into the dtype the target (and any mapper) computes in
+                chunk = KVChunk.from_bytes(data, expect_model=manifest.source_fingerprint, decode_dtype=lm.dtype)
             except (ChunkError, StoreIntegrityError) as exc:
                 notes.append(f"skipped chunk {hit.key[:12]}… of {hit.doc_id!r}: {exc}")
                 continue

@@ -1,6 +1,6 @@
 """Choose APE's context temperature and scale per target, label-free, on calibration questions.
 
-    python eval/calibrate_ape.py --targets qwen2.5-0.5b gemma3-270m smollm2-135m --n 20
+    python eval/calibrate_ape.py --targets qwen2.5-0.5b gemma3-270m smollm2-135m --n 50
 
 For each calibration lookup item (`calib-lookup`, never an evaluation set), the
 target answers with direct context (its own prefill of the retrieved chunks); that
@@ -39,7 +39,7 @@ from cag.models.attention import context_temperature  # noqa: E402
 from cag.prompt import layout_for  # noqa: E402
 from eval.calibration_lookup import calibration_lookup  # noqa: E402
 
-GRID_T = (0.8, 0.9, 1.0, 1.1)
+GRID_T = (0.8, 0.9, 1.0, 1.1, 1.2)
 GRID_S = (0.8, 0.9, 1.0, 1.2)
 
 
@@ -50,13 +50,34 @@ def _retrieve(item, k: int = 3):
     return [d.text for d in scored[:k]]
 
 
+def _load_progress(path: Path, fingerprint: str) -> dict[int, dict]:
+    """Items already scored by an interrupted run of the same model (one JSON line each)."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the interruption
+                continue
+            if row.get("fingerprint") == fingerprint:
+                done[row["item"]] = row["kl"]
+    return done
+
+
 @torch.inference_mode()
-def calibrate(target: str, items, log) -> dict:
+def calibrate(target: str, items, log, progress_dir: Path) -> dict:
     lm = registry.load(target, "auto")
     asm = Assembler(lm, layout_for(lm.tokenizer))
     stops = stop_token_ids(lm.tokenizer)
     kls = {(t, s): [] for t in GRID_T for s in GRID_S}
+    progress_dir.mkdir(parents=True, exist_ok=True)
+    progress = progress_dir / f"{target.replace('/', '_')}.jsonl"
+    done = _load_progress(progress, lm.fingerprint.id)
     for i, item in enumerate(items, 1):
+        if item.id in done:  # resumed: this item was scored before the interruption
+            for (t, s), out in kls.items():
+                out.append(done[item.id][f"{t},{s}"])
+            continue
         texts = _retrieve(item)
         q = asm.question_ids(item.question)
         direct_ids = asm.direct_ids([lm.tokenize(t)[0] for t in texts], item.question)
@@ -75,6 +96,9 @@ def calibrate(target: str, items, log) -> dict:
                 got = torch.log_softmax(last_logits(lm.model, forced[None], copy.deepcopy(placed.cache),
                                                     positions=n).float(), -1)
             out.append(float((ref.exp() * (ref - got)).sum(-1).mean()))
+        row = {"item": item.id, "fingerprint": lm.fingerprint.id, "kl": {f"{t},{s}": v[-1] for (t, s), v in kls.items()}}
+        with progress.open("a") as f:
+            f.write(json.dumps(row) + "\n")
         log(f"calibrate_ape: {target} {i}/{len(items)}")
     base = np.array(kls[(1.0, 1.0)])
     rows = []
@@ -94,13 +118,15 @@ def calibrate(target: str, items, log) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", nargs="+", default=["qwen2.5-0.5b", "gemma3-270m", "smollm2-135m"])
-    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--progress", type=Path, default=Path.home() / ".cache" / "cag" / "calibrate_ape",
+                    help="Per-item results, so an interrupted run resumes where it stopped.")
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     items = calibration_lookup(seed=1)[: args.n]  # seed 1: not the items the gate is measured on
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    results = [calibrate(t, items, log) for t in args.targets]
+    results = [calibrate(t, items, log, args.progress) for t in args.targets]
     command = " ".join(["python", *sys.argv])
     (args.out / "ape.json").write_text(json.dumps({"command": command, "date": time.strftime("%Y-%m-%d"),
                                                    "results": results}, indent=2) + "\n")
