@@ -267,12 +267,17 @@ class KVChunk:
         *,
         expect_model: ModelFingerprint | None = None,
         dtype: torch.dtype | None = None,
+        decode_dtype: torch.dtype | None = None,
     ) -> "KVChunk":
         """Decode and validate a frame written by `to_bytes`.
 
         `expect_model`: refuse a chunk from any other model (`ForeignModelError`).
         `dtype`: cast K/V after decoding (e.g. ``torch.float32``); default keeps
         the storage dtype of a float chunk and gives bf16 for an 8-bit one.
+        `decode_dtype`: the dtype an 8-bit chunk decodes to when `dtype` is None,
+        while a float chunk keeps its own (and stays zero-copy). The query path
+        passes the model's compute dtype: an 8-bit chunk is then decoded straight
+        into it, not rounded to bf16 and converted again when it is placed.
 
         The tensors of a float chunk decoded in its storage dtype are views on
         `data` (no copy): treat them as read-only, and clone one before writing
@@ -317,7 +322,7 @@ class KVChunk:
         if quantized:
             # Geometry first: the scales' expected shapes come from the codes'.
             _validate_tensors(keys, values, tensors["token_ids"], tensors["offsets"], model)
-            keys, values = _dequantize(tensors, dtype_name, dtype or QUANTIZED_DECODE_DTYPE)
+            keys, values = _dequantize(tensors, dtype_name, dtype or decode_dtype or QUANTIZED_DECODE_DTYPE)
         elif dtype is not None:
             keys, values = keys.to(dtype), values.to(dtype)
         return cls(keys, values, tensors["token_ids"], tensors["offsets"], text_hash, model, settings)

@@ -141,6 +141,20 @@ def test_decoded_dtype_shape_and_fields(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_dtype_decodes_8bit_chunks_straight_into_it_and_leaves_float_chunks_alone(fmt):
+    chunk = make_chunk()
+    data = chunk.to_bytes(fmt)
+    direct = KVChunk.from_bytes(data, decode_dtype=torch.float32)
+    assert direct.keys.dtype == direct.values.dtype == torch.float32
+    # the same numbers as asking for fp32 outright: the codes times the scales, never rounded to bf16
+    asked = KVChunk.from_bytes(data, dtype=torch.float32)
+    assert torch.equal(direct.keys, asked.keys) and torch.equal(direct.values, asked.values)
+    assert KVChunk.from_bytes(data, dtype=torch.float16, decode_dtype=torch.float32).keys.dtype == torch.float16
+    stored = KVChunk.from_bytes(chunk.to_bytes("bfloat16"), decode_dtype=torch.float32)
+    assert stored.keys.dtype == torch.bfloat16  # a float chunk keeps its storage dtype (zero-copy)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_zero_and_constant_groups_decode_exactly(fmt):
     keys, values = realistic_kv(tokens=8)
     keys[0, 1, :, 3] = 0.0      # an all-zero key channel
