@@ -112,6 +112,7 @@ class ConditionResult:
     ttft_s: float
     context_tokens: int
     warnings: list[str] = field(default_factory=list)
+    recomputed_tokens: int = 0  # context tokens the target recomputed (selective recompute)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,6 +128,7 @@ class _Run:
     setup_s: float  # the part of TTFT spent before the question is prefilled
     warnings: list[str]
     context_span: tuple[int, int] | None = None  # placed context block, for APE's temperature and scale
+    recomputed_tokens: int = 0
 
 
 class ItemRunner:
@@ -141,6 +143,7 @@ class ItemRunner:
         self.base = base  # retrieval, the target and its assembler
         self.contexts = contexts  # method -> CachedContext over the same store and target
         self.max_new_tokens = max_new_tokens
+        self._chunk_memo: dict[str, Any] = {}
 
     @property
     def lm(self):
@@ -164,10 +167,19 @@ class ItemRunner:
         return _Run(cache, asm.question_ids(item.question), sum(c.numel() for c in context),
                     time.perf_counter() - started, [])
 
+    def _prefilled(self, text: str):
+        """The target's own chunk of `text`, prefilled once per runner (an ablation places it many times)."""
+        chunk = self._chunk_memo.get(text)
+        if chunk is None:
+            if len(self._chunk_memo) >= 32:  # a few items' chunks: memory stays bounded on long runs
+                self._chunk_memo.clear()
+            chunk = self._chunk_memo[text] = self.lm.prefill(text)
+        return chunk
+
     def _native_run(self, item, hits) -> _Run:
         """The target's own chunk caches; their prefill is offline work, not TTFT."""
         lm, asm = self.lm, self.base.assembler
-        chunks = [lm.prefill(h.text) for h in hits]
+        chunks = [self._prefilled(h.text) for h in hits]
         started = time.perf_counter()
         question_ids = asm.question_ids(item.question)
         base = self.base
@@ -179,7 +191,7 @@ class ItemRunner:
                            question_ids=question_ids, first_k=base.recompute_first_k, positions=positions)
         return _Run(placed.cache, question_ids,
                     placed.context_ids.numel() - placed.prefix_tokens, time.perf_counter() - started, [],
-                    (placed.prefix_tokens, placed.context_ids.numel()))
+                    (placed.prefix_tokens, placed.context_ids.numel()), placed.recomputed_tokens)
 
     def _cached_run(self, ctx: CachedContext, item, hits) -> _Run:
         import warnings
@@ -190,7 +202,7 @@ class ItemRunner:
         t = prepared.answer.timings
         setup = t.load + t.translate + t.assemble + t.recompute
         return _Run(prepared.cache, prepared.question_ids, prepared.answer.context_tokens, setup,
-                    list(prepared.answer.warnings), prepared.context_span)
+                    list(prepared.answer.warnings), prepared.context_span, prepared.answer.recomputed_tokens)
 
     # ----------------------------------------------------------- measurement
 
@@ -201,43 +213,62 @@ class ItemRunner:
         return self.lm.tokenize(text)[0]
 
     @torch.inference_mode()
-    def _teacher_forced(self, run: _Run, gold: torch.Tensor) -> torch.Tensor:
+    def teacher_forced(self, run: _Run, gold: torch.Tensor) -> torch.Tensor:
+        """Log-probs of the `gold` ids after the question, from a copy of the run's cache."""
         ids = torch.cat([run.question_ids, gold[:-1]])
         logits = last_logits(self.lm.model, ids[None], copy.deepcopy(run.cache), positions=gold.numel())
         return torch.log_softmax(logits.float(), -1)
 
-    def _ape(self, run: _Run):
-        """APE's context temperature and scale over a cached condition's context (identity at 1, 1)."""
+    def _ape(self, name: str, run: _Run):
+        """APE's context temperature and scale over a cached condition's context, as its `CachedContext` serves it."""
         from contextlib import nullcontext
 
         from cag.models.attention import context_temperature
 
-        base = self.base
-        if run.context_span is None or (base.context_temperature, base.context_scale) == (1.0, 1.0):
+        if run.context_span is None:
             return nullcontext()
-        return context_temperature(self.lm.model, *run.context_span, temperature=base.context_temperature,
-                                   scale=base.context_scale)
+        if name == NATIVE:  # the target's own chunks, whatever model built the store
+            temperature, scale = self.base.ape_settings(native=True)
+        elif (ctx := self.contexts.get(name.removeprefix("cache:"))) is not None:
+            temperature, scale = ctx.ape_settings()
+        else:
+            return nullcontext()
+        return context_temperature(self.lm.model, *run.context_span, temperature=temperature, scale=scale)
 
     def run(self, item) -> dict[str, ConditionResult]:
         """Every condition for `item`, on the same chunks."""
         self.lm  # load before timing anything
         hits = self.hits_for(item)
-        runs: dict[str, _Run] = {
-            NO_CONTEXT: self._text_run(item, hits, with_context=False),
-            DIRECT: self._text_run(item, hits, with_context=True),
-            NATIVE: self._native_run(item, hits),
-        }
+        return self.score(item, {**self.text_runs(item, hits), **self.cache_runs(item, hits)})
+
+    def text_runs(self, item, hits) -> dict[str, _Run]:
+        """The conditions that read the text: no context and direct context (they ignore the repair settings)."""
+        return {NO_CONTEXT: self._text_run(item, hits, with_context=False),
+                DIRECT: self._text_run(item, hits, with_context=True)}
+
+    def cache_runs(self, item, hits) -> dict[str, _Run]:
+        """The cached conditions under the contexts' current settings: native, then each mapper's."""
+        runs = {NATIVE: self._native_run(item, hits)}
         for method, ctx in self.contexts.items():
             runs[f"cache:{method}"] = self._cached_run(ctx, item, hits)
+        return runs
+
+    def score(self, item, runs: dict[str, _Run], reference: torch.Tensor | None = None) -> dict[str, ConditionResult]:
+        """Teacher-force the gold answer and generate from every run (generation extends each run's cache).
+
+        KL and top-1 are against `reference`, direct context's teacher-forced log-probs
+        (`teacher_forced` over the DIRECT run), else against DIRECT in `runs`.
+        """
         gold = self.gold_ids(item.answers[0])
         log_probs = {}
         for name, run in runs.items():
-            with self._ape(run):
-                log_probs[name] = self._teacher_forced(run, gold)
+            with self._ape(name, run):
+                log_probs[name] = self.teacher_forced(run, gold)
+        reference = log_probs[DIRECT] if reference is None else reference
         stops = stop_token_ids(self.lm.tokenizer)
         results = {}
         for name, run in runs.items():
-            with self._ape(run):
+            with self._ape(name, run):
                 gen = generate(self.lm.model, self.lm.tokenizer, run.cache, run.question_ids,
                                max_new_tokens=self.max_new_tokens, stop_ids=stops)
             is_direct = name == DIRECT
@@ -247,10 +278,11 @@ class ItemRunner:
                 f1=metrics.token_f1(gen.text, item.answers),
                 found=metrics.contains_answer(gen.text, item.answers),
                 gold_log_likelihood=metrics.gold_log_likelihood(log_probs[name], gold),
-                kl_from_direct=None if is_direct else metrics.kl_divergence(log_probs[DIRECT], log_probs[name]),
-                top1_with_direct=None if is_direct else metrics.top1_agreement(log_probs[DIRECT], log_probs[name]),
+                kl_from_direct=None if is_direct else metrics.kl_divergence(reference, log_probs[name]),
+                top1_with_direct=None if is_direct else metrics.top1_agreement(reference, log_probs[name]),
                 ttft_s=run.setup_s + gen.question_prefill_s,
                 context_tokens=run.context_tokens,
                 warnings=run.warnings,
+                recomputed_tokens=run.recomputed_tokens,
             )
         return results

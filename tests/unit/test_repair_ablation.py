@@ -1,0 +1,44 @@
+"""eval/repair_ablation.py: the grid of repair settings and its report, on results written by hand."""
+
+import json
+
+import pytest
+
+from eval.repair_ablation import label, render, settings, summarize
+
+
+def test_the_grid_has_no_repair_once_each_selector_at_each_ratio_and_first_k_once():
+    grid = settings([0.0, 0.1, 0.2], ["deviation", "source", "first_k"], first_k=16)
+    assert grid == [("none", 0.0), ("deviation", 0.1), ("source", 0.1), ("deviation", 0.2), ("source", 0.2),
+                    ("first_k", 16.0)]
+    assert [label(*g) for g in grid] == ["none", "deviation 10%", "source 10%", "deviation 20%", "source 20%",
+                                         "first_k k=16"]
+    assert ("first_k", 0.0) not in settings([0.1], ["first_k"], first_k=0)
+
+
+def _result(f1, kl, ttft, recomputed=0, tokens=100):
+    return {"f1": f1, "found": float(f1 > 0.5), "kl_from_direct": kl, "ttft_s": ttft,
+            "recomputed_tokens": recomputed, "context_tokens": tokens}
+
+
+def test_summary_pairs_every_setting_with_direct_context_on_the_same_questions(tmp_path):
+    grid = ["none", "source 20%"]
+    (tmp_path / "run.json").write_text(json.dumps({"command": "python eval/repair_ablation.py", "date": "today",
+                                                   "host": {}, "dataset": "kb", "n": 2, "source": "s",
+                                                   "settings": grid, "top_k": 4, "max_new_tokens": 16}))
+    rows = []
+    for item, native_none, native_src in (("q1", 0.0, 1.0), ("q2", 1.0, 1.0)):
+        rows.append({"item": item, "target": "t", "ape": {"native": [0.9, 1.0]},
+                     "text": {"no_context": _result(0.0, 3.0, 0.1), "direct": _result(1.0, None, 4.0)},
+                     "settings": {"none": {"native_cache": _result(native_none, 0.5, 0.5)},
+                                  "source 20%": {"native_cache": _result(native_src, 0.1, 1.0, recomputed=20)}}})
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = summarize(tmp_path)
+    cells = {(e["path"], e["setting"]): e for e in summary["table"]}
+    assert cells[("native_cache", "none")]["f1_retention"]["value"] == pytest.approx(0.5)
+    src = cells[("native_cache", "source 20%")]
+    assert src["f1_retention"]["value"] == 1.0 and src["recomputed_share"] == pytest.approx(0.2)
+    assert src["speedup_vs_direct"] == pytest.approx(4.0) and src["kl"] == pytest.approx(0.1)
+    assert cells[("no_context", "–")]["f1"] == 0.0
+    text = render(summary)
+    assert "| t | native_cache | source 20% | 2 | 1.00 |" in text and "[0.9, 1.0]" in text
