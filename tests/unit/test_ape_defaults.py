@@ -26,6 +26,20 @@ def defaults(tmp_path, monkeypatch):
     ape._defaults.cache_clear()
 
 
+@pytest.fixture
+def seen(monkeypatch):
+    """The (T, S) of every APE context a query opens, in order."""
+    calls = []
+    original = attention.context_temperature
+
+    def spy(model, start, end, temperature=1.0, scale=1.0):
+        calls.append((temperature, scale))
+        return original(model, start, end, temperature=temperature, scale=scale)
+
+    monkeypatch.setattr(attention, "context_temperature", spy)
+    return calls
+
+
 def test_resolve_prefers_the_caller_then_the_calibration_then_one(defaults):
     defaults({"fp-a": {"temperature": 0.9, "scale": 0.8}})
     assert ape.resolve(None, None, fingerprint_id="fp-a", native=True) == (0.9, 0.8)
@@ -47,18 +61,10 @@ def test_the_shipped_defaults_name_real_grid_points():
         assert entry["temperature"] > 0 and entry["scale"] > 0 and entry["n"] >= 50, fingerprint
 
 
-def test_a_query_on_the_native_path_uses_the_calibrated_default(kb, defaults, monkeypatch):  # noqa: F811
+def test_a_query_on_the_native_path_uses_the_calibrated_default(kb, defaults, seen):  # noqa: F811
     ctx = ctx_for(kb, mapper="identity")
     fingerprint = ctx.target_model.fingerprint.id
     defaults({fingerprint: {"temperature": 0.5, "scale": 2.0}})
-    seen = []
-    original = attention.context_temperature
-
-    def spy(model, start, end, temperature=1.0, scale=1.0):
-        seen.append((temperature, scale))
-        return original(model, start, end, temperature=temperature, scale=scale)
-
-    monkeypatch.setattr(attention, "context_temperature", spy)
     calibrated = ctx.answer("tower of Velmora")
     assert ctx.ape_settings() == (0.5, 2.0) and seen and set(seen) == {(0.5, 2.0)}
     explicit = ctx_for(kb, mapper="identity", context_temperature=0.5, context_scale=2.0)
@@ -69,20 +75,12 @@ def test_a_query_on_the_native_path_uses_the_calibrated_default(kb, defaults, mo
     assert set(seen) == {(1.0, 1.0)}
 
 
-def test_cag_query_passes_the_temperature_and_scale_it_is_given(kb, monkeypatch):  # noqa: F811
+def test_cag_query_passes_the_temperature_and_scale_it_is_given(kb, monkeypatch, seen):  # noqa: F811
     from typer.testing import CliRunner
 
     from cag.cli import app
 
     root, source = kb
-    seen = []
-    original = attention.context_temperature
-
-    def spy(model, start, end, temperature=1.0, scale=1.0):
-        seen.append((temperature, scale))
-        return original(model, start, end, temperature=temperature, scale=scale)
-
-    monkeypatch.setattr(attention, "context_temperature", spy)
     from cag import context
     from tests.stores.test_build import HashEmbedder
 
