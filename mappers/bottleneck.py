@@ -8,7 +8,7 @@ keys from keys only, this map sees the whole source cache of a token at once:
     ŷ  = (z · C) ⊙ s + μy                     C: ridge map to every target layer's K and V  [r, D]
 
 plus, optionally (``token_residual``), per target layer l a ridge map from the target's own
-*direct path* of tokens t and t−1 (embedding → layer l's norm → k and v projections,
+*direct path* of tokens t, t−1, … (``token_window`` of them, default 2; embedding → layer l's norm → k and v projections,
 `mappers.linear.direct_path`) to what the bottleneck still gets wrong. That direct path is
 which token sits at each position in the target's own vocabulary: a source with another
 tokenizer cannot supply it, and copying a name or a number out of the context needs it.
@@ -41,22 +41,27 @@ TOKEN_NAMES = ("tok_w", "tok_mean_f", "tok_mean_r")
 MATRICES = ("proj", "coef", "tok_w")  # rounded to the storage dtype; biases and means stay fp32
 
 
-def direct_features(target, ids: torch.Tensor) -> torch.Tensor:
-    """``[L, T, 4·Ht·Dt]``: per target layer, the direct path (keys, values) of tokens t and t−1."""
+def direct_features(target, ids: torch.Tensor, window: int = 2) -> torch.Tensor:
+    """``[L, T, window·2·Ht·Dt]``: per target layer, the direct path (keys, values) of tokens
+    t, t−1, …, t−window+1 (zeros before the chunk's first token)."""
     now = direct_path(target, ids, "both")
-    prev = torch.zeros_like(now)
-    prev[:, 1:] = now[:, :-1]
-    return torch.cat([now, prev], -1)
+    parts = [now]
+    for back in range(1, window):
+        prev = torch.zeros_like(now)
+        prev[:, back:] = now[:, :-back]
+        parts.append(prev)
+    return torch.cat(parts, -1)
 
 
 def token_residual(target, ids: torch.Tensor, w: torch.Tensor, mean_f: torch.Tensor,
                    mean_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The direct-path correction of keys and of values ``[L, H, T, D]``: per layer l,
-    ``(f_l − mean_f_l) · w_l + mean_r_l`` over `direct_features` f."""
+    ``(f_l − mean_f_l) · w_l + mean_r_l`` over `direct_features` f (its token window is
+    w's width over 2·H·D)."""
     fp = target.fingerprint
-    f = direct_features(target, ids) - mean_f[:, None, :]                                 # [L, T, 4HD]
-    r = torch.bmm(f, w) + mean_r[:, None, :]                                              # [L, T, 2HD]
     hd = fp.num_kv_heads * fp.head_dim
+    f = direct_features(target, ids, w.shape[1] // (2 * hd)) - mean_f[:, None, :]         # [L, T, window·2HD]
+    r = torch.bmm(f, w) + mean_r[:, None, :]                                              # [L, T, 2HD]
     shape = (fp.num_layers, -1, fp.num_kv_heads, fp.head_dim)
     return r[..., :hd].reshape(shape).permute(0, 2, 1, 3), r[..., hd:].reshape(shape).permute(0, 2, 1, 3)
 
@@ -103,6 +108,10 @@ class BottleneckMapper(Mapper):
     def token_residual(self) -> bool:
         return bool(self.settings.get("token_residual", False))
 
+    @property
+    def token_window(self) -> int:
+        return int(self.settings.get("token_window", 2))  # tokens t … t−window+1; artifacts before it: 2
+
     def set_weights(self, **tensors: torch.Tensor) -> None:
         """Install fitted weights, rounded to their storage dtype (what is measured is what is saved)."""
         store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
@@ -119,7 +128,8 @@ class BottleneckMapper(Mapper):
         if self.token_residual:
             t = self.target
             hd = t.num_kv_heads * t.head_dim
-            expected.update({"tok_w": (t.num_layers, 4 * hd, 2 * hd), "tok_mean_f": (t.num_layers, 4 * hd),
+            fw = 2 * self.token_window * hd
+            expected.update({"tok_w": (t.num_layers, fw, 2 * hd), "tok_mean_f": (t.num_layers, fw),
                              "tok_mean_r": (t.num_layers, 2 * hd)})
         if set(tensors) != set(expected):
             raise MapperArtifactError(f"bottleneck weights: expected {sorted(expected)}, got {sorted(tensors)}")

@@ -7,11 +7,18 @@ A variant's name is its recipe, levers joined by ``+``::
                             target layer's K and V, full rank
     pca<r>                  the same through a shared per-token bottleneck: the top r principal
                             directions of the standardised source features (pca256, pca512, ...)
+    rrr<r>                  the full ridge map reduced to rank r in its *output*: reduced-rank
+                            regression, the r directions of the target's K/V the features predict
+                            best (each target layer's keys and its values weighted alike), instead
+                            of the r directions along which the source varies most
     +h                      the source's hidden states (every second layer) join the features
     +match                  translated keys get the target's per-channel spread back (ridge shrinks
                             every channel toward its mean; the massive rotary channels suffer most)
     +ks<a>                  translated keys scaled by a (0.9-1.5): a global logit temperature
     +nat<m>                 the target's own first m layers over the context (m/L of a prefill)
+    +tok, +tok<k>           a per-layer ridge from the target's own direct path of tokens t, t−1
+                            (or of k tokens t … t−k+1) to what the map above still gets wrong
+    +cal                    a context-key logit scale per layer and head, learned by the answer NLL
 
 One eigendecomposition of the features' covariance serves every rank and every
 ridge strength: in the eigenbasis U of Cxx (eigenvalues e), the ridge map of rank r
@@ -115,7 +122,8 @@ class Basis:
     """Standardisation, the eigendecomposition of the standardised train covariance, and
     the held-out moments in that eigenbasis (so every rank and λ is scored exactly)."""
 
-    def __init__(self, train: Moments, held: Moments, *, max_rank: int | None = None) -> None:
+    def __init__(self, train: Moments, held: Moments, *, max_rank: int | None = None,
+                 eig: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         n = train.n
         self.mx = train.sx / n
         self.my = train.sy / n
@@ -125,7 +133,9 @@ class Basis:
         cxy = ((train.sxy / n - torch.outer(self.mx, self.my)) / self.sd[:, None]).float()
         f = cxx.shape[0]
         k = f if max_rank is None or max_rank >= f else max_rank
-        if k == f:
+        if eig is not None:
+            self.e, self.u = eig
+        elif k == f:
             e, u = torch.linalg.eigh(cxx.double())                      # ascending
             self.e, self.u = e.flip(0).clamp_min(0).float(), u.flip(1).float()
         else:
@@ -175,11 +185,25 @@ MAX_RANK = 1024  # the widest bottleneck the lab fits on real features
 _BASES: dict[tuple[str, bool], tuple[Basis, int]] = {}
 
 
-def basis_for(lab: Path, hidden: bool) -> tuple[Basis, int]:
-    key = (str(lab), hidden)
+def basis_for(lab: Path, hidden: bool, *, full: bool = False) -> tuple[Basis, int]:
+    """The eigenbasis of the lab's features: the top `MAX_RANK` directions, or all of them
+    (`full`, for the unconstrained ridge and reduced-rank regression; its eigendecomposition
+    takes minutes, so it is cached beside the moments)."""
+    key = (str(lab), hidden, full)
     if key not in _BASES:
         train, held = moments(lab, hidden)
-        _BASES[key] = (Basis(train, held, max_rank=MAX_RANK), train.n)
+        if not full:
+            _BASES[key] = (Basis(train, held, max_rank=MAX_RANK), train.n)
+        else:
+            cache = lab / "stats" / f"{'kvh' if hidden else 'kv'}-{len(data.shard_paths(lab))}.eigh.safetensors"
+            eig = None
+            if cache.exists():
+                t = load_file(str(cache))
+                eig = (t["e"], t["u"])
+            basis = Basis(train, held, eig=eig)
+            if eig is None:
+                save_file({"e": basis.e.contiguous(), "u": basis.u.contiguous()}, str(cache))
+            _BASES[key] = (basis, train.n)
     return _BASES[key]
 
 
@@ -199,7 +223,8 @@ class Variant:
 
 class LinearVariant(Variant):
     def __init__(self, basis: Basis, train_rows: int, head_dim: int, *, rank: int | None, hidden: bool,
-                 match: bool, key_scale: float, native_layers: int) -> None:
+                 match: bool, key_scale: float, native_layers: int, output_rank: int | None = None,
+                 num_layers: int | None = None) -> None:
         self.train_rows = train_rows
         f, d = basis.u.shape[0], basis.qty.shape[1]
         if rank is None and basis.u.shape[1] < f:
@@ -217,9 +242,14 @@ class LinearVariant(Variant):
             cols = better.repeat_interleave(dt)
             coef[:, cols] = c[:, cols]
             self.lambdas = [lam if b else old for b, old in zip(better.tolist(), self.lambdas)]
+        self.output_rank = output_rank
+        if output_rank is None:
+            self.proj = basis.u[:, : self.rank].contiguous()         # [F, r]: the shared bottleneck
+            self.coef = coef                                          # [r, D]
+        else:
+            coef, self.proj, self.coef = reduce_rank(basis, coef, output_rank, output_weights(basis, num_layers))
+            best_sse = basis.heldout_sse(coef).reshape(-1, dt).sum(-1)
         self.heldout_r2 = float(1 - best_sse.sum() / basis.held_sst.sum())
-        self.proj = basis.u[:, : self.rank].contiguous()             # [F, r]: the shared bottleneck
-        self.coef = coef                                              # [r, D]
         self.mx, self.sd, self.my = basis.mx.float(), basis.sd.float(), basis.my.float()
         self.hidden, self.match, self.key_scale, self.native_layers = hidden, match, key_scale, native_layers
         self.scale = torch.ones(d)
@@ -229,7 +259,9 @@ class LinearVariant(Variant):
         self.scale[: d // 2] *= key_scale
 
     def describe(self) -> str:
-        return (f"rank {self.rank}, features {'K,V,hidden' if self.hidden else 'K,V'} of all source layers, "
+        rank = (f"reduced-rank regression to rank {self.output_rank} (of the full ridge)" if self.output_rank
+                else f"rank {self.rank}")
+        return (f"{rank}, features {'K,V,hidden' if self.hidden else 'K,V'} of all source layers, "
                 f"held-out R² {self.heldout_r2:.3f}, λ median {sorted(self.lambdas)[len(self.lambdas) // 2]:g}"
                 + (", keys spread-matched" if self.match else "")
                 + (f", keys ×{self.key_scale:g}" if self.key_scale != 1 else "")
@@ -246,6 +278,32 @@ class LinearVariant(Variant):
             m = self.native_layers
             keys[:m], values[:m] = item["native_keys"][:m], item["native_values"][:m]
         return keys, values
+
+
+def output_weights(basis: Basis, num_layers: int) -> torch.Tensor:
+    """``[D]`` column weights for reduced-rank regression: each target layer's keys, and its
+    values, carry equal total weight. Raw squared error would hand the rank to the keys'
+    massive channels and starve the values, which carry the token identity a lookup copies."""
+    var = basis.train_var.clamp_min(1e-12).reshape(2, num_layers, -1)
+    return var.mean(-1, keepdim=True).rsqrt().expand_as(var).reshape(-1)
+
+
+def reduce_rank(basis: Basis, coef: torch.Tensor, r: int,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reduced-rank regression of a full-rank ridge map (``coef`` ``[F, D]`` in the eigenbasis).
+
+    The rank-r map with the least weighted error on the training rows is the ridge map
+    projected onto the top r eigenvectors V of the weighted fitted covariance
+    ``Ω coefᵀ diag(e) coef Ω`` (Eckart-Young on the fitted values). Returns the map in the
+    eigenbasis (for held-out SSE and spread), and its factors in the runtime's form:
+    ``proj`` ``[F, r]`` (standardised features → bottleneck) and ``out`` ``[r, D]``."""
+    wc = coef * weights[None, :]
+    fitted = (wc.T * basis.e[None, :]) @ wc                                  # [D, D]
+    _, v = torch.linalg.eigh(fitted.double())
+    v = v.flip(1)[:, :r].float()                                            # [D, r]
+    inner = wc @ v                                                          # [F, r]
+    out = v.T / weights[None, :]                                            # [r, D]
+    return inner @ out, (basis.u @ inner).contiguous(), out.contiguous()
 
 
 class ShippedVariant(Variant):
@@ -273,21 +331,22 @@ class TokenResidualVariant(Variant):
     """A linear variant plus, per target layer, a ridge map from the target's direct path of tokens
     t and t−1 to what the variant still gets wrong (fitted on its residuals over the lab's rows)."""
 
-    def __init__(self, base: "LinearVariant", base_name: str, lab: Path, source, target) -> None:
+    def __init__(self, base: "LinearVariant", base_name: str, lab: Path, source, target, window: int = 2) -> None:
         from safetensors.torch import load_file, save_file
 
-        self.base, self.train_rows = base, base.train_rows
-        path = lab / "token_residual" / f"{base_name}.safetensors"
+        self.base, self.train_rows, self.window = base, base.train_rows, window
+        path = lab / "token_residual" / (f"{base_name}.safetensors" if window == 2 else f"{base_name}.w{window}.safetensors")
         if path.exists():
             t = load_file(str(path))
         else:
-            t = fit_token_residual(base, lab, source, target)
+            t = fit_token_residual(base, lab, source, target, window)
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file(t, str(path))
         self.w, self.mean_f, self.mean_r, self.sse_drop = t["w"], t["mean_f"], t["mean_r"], float(t["sse_drop"])
 
     def describe(self) -> str:
-        return f"{self.base.describe()}, + target-token residual per layer (held-out error −{100 * self.sse_drop:.1f}%)"
+        return (f"{self.base.describe()}, + target-token residual per layer, tokens t…t−{self.window - 1} "
+                f"(held-out error −{100 * self.sse_drop:.1f}%)")
 
     def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.base.translate(item, target)
@@ -308,14 +367,14 @@ def _context_rows(source, target, text: str) -> tuple[torch.Tensor, torch.Tensor
     return ids, ok.nonzero().flatten()
 
 
-def fit_token_residual(base: "LinearVariant", lab: Path, source, target) -> dict[str, torch.Tensor]:
+def fit_token_residual(base: "LinearVariant", lab: Path, source, target, window: int = 2) -> dict[str, torch.Tensor]:
     from cag.progress import Progress
 
     fp = target.fingerprint
     L, hd = fp.num_layers, fp.num_kv_heads * fp.head_dim
     texts = {c["id"]: c["text"] for c in data.training_corpus()}
     recorded = {c["id"]: c["sha256"] for c in json.loads((lab / "corpus.json").read_text())}
-    f_dim = 4 * hd
+    f_dim = 2 * window * hd
     stats = {split: {"ff": torch.zeros(L, f_dim, f_dim, dtype=torch.float64),
                      "fr": torch.zeros(L, f_dim, 2 * hd, dtype=torch.float64),
                      "f": torch.zeros(L, f_dim, dtype=torch.float64), "r": torch.zeros(L, 2 * hd, dtype=torch.float64),
@@ -335,7 +394,7 @@ def fit_token_residual(base: "LinearVariant", lab: Path, source, target) -> dict
                 y = data.split_target(shard["y"][rows].float(), L, fp.num_kv_heads)
                 res = torch.cat([(y[0] - keys).permute(0, 2, 1, 3).reshape(L, -1, hd),
                                  (y[1] - values).permute(0, 2, 1, 3).reshape(L, -1, hd)], -1)   # [L, T', 2HD]
-                f = direct_features(target, ids)[:, pos]                                    # [L, T', 4HD]
+                f = direct_features(target, ids, window)[:, pos]                            # [L, T', window·2HD]
                 st = stats["held" if is_heldout_context(ctx) else "train"]
                 st["ff"] += torch.bmm(f.transpose(1, 2), f).double()
                 st["fr"] += torch.bmm(f.transpose(1, 2), res).double()
@@ -411,30 +470,33 @@ class CalibratedVariant(Variant):
         return keys * torch.exp(self.log_scale)[:, :, None, None], values
 
 
-_LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|tok|cal)$")
+_LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|tok[0-9]*|cal)$")
 
 
 def make(name: str, lab: Path, source, target) -> Variant:
     if name == "shipped":
         return ShippedVariant(source, target)
     base, *levers = name.split("+")
-    if base == "ridge":
-        rank = None
-    elif re.fullmatch(r"pca[0-9]+", base):
+    rank = output_rank = None
+    if re.fullmatch(r"pca[0-9]+", base):
         rank = int(base[3:])
-    else:
-        raise ValueError(f"unknown variant base {base!r} (shipped, ridge, pca<r>)")
+    elif re.fullmatch(r"rrr[0-9]+", base):
+        output_rank = int(base[3:])
+    elif base != "ridge":
+        raise ValueError(f"unknown variant base {base!r} (shipped, ridge, pca<r>, rrr<r>)")
     bad = [lever for lever in levers if not _LEVER.match(lever)]
     if bad:
         raise ValueError(f"unknown levers {bad} in {name!r}")
     key_scale = next((float(lv[2:]) for lv in levers if lv.startswith("ks")), 1.0)
     native = next((int(lv[3:]) for lv in levers if lv.startswith("nat")), 0)
-    basis, rows = basis_for(lab, "h" in levers)
+    basis, rows = basis_for(lab, "h" in levers, full=rank is None)
     variant = LinearVariant(basis, rows, target.fingerprint.head_dim, rank=rank, hidden="h" in levers,
-                            match="match" in levers, key_scale=key_scale, native_layers=native)
-    if "tok" in levers:
-        variant = TokenResidualVariant(variant, "+".join(lv for lv in [base, *levers] if lv not in ("tok", "cal")),
-                                       lab, source, target)
+                            match="match" in levers, key_scale=key_scale, native_layers=native,
+                            output_rank=output_rank, num_layers=target.fingerprint.num_layers)
+    tok = next((lv for lv in levers if lv.startswith("tok")), None)
+    if tok:  # tok = tokens t, t−1; tok<k> = a window of k tokens
+        variant = TokenResidualVariant(variant, "+".join(lv for lv in [base, *levers] if lv not in (tok, "cal")),
+                                       lab, source, target, window=int(tok[3:] or 2))
     if "cal" in levers:
         variant = CalibratedVariant(variant, "+".join(lv for lv in [base, *levers] if lv != "cal"), lab, target)
     return variant
@@ -455,7 +517,8 @@ def to_mapper(variant, source, target):
         raise ValueError("only K,V-feature variants without native layers map to the runtime bottleneck")
     sd = variant.sd
     mapper = BottleneckMapper(source.fingerprint, target.fingerprint,
-                              {"rank": variant.rank, "token_residual": tok is not None})
+                              {"rank": variant.proj.shape[1], "token_residual": tok is not None,
+                               **({"token_window": tok.window} if tok is not None else {})})
     fp = target.fingerprint
     coef, y_mean = variant.coef * variant.scale[None, :], variant.my
     extra = {}

@@ -109,21 +109,22 @@ def test_lookup_calibration_lowers_its_loss_on_a_tiny_pair_and_folds_into_the_ma
     torch.testing.assert_close(values, values0)
 
 
-def test_token_residual_and_learned_key_scale_fold_into_the_runtime_mapper(fitted, llama, gemma2tok, texts):
+@pytest.mark.parametrize("window", [2, 3])
+def test_token_residual_and_learned_key_scale_fold_into_the_runtime_mapper(fitted, llama, gemma2tok, texts, window):
     variant, _ = fitted
     fp = gemma2tok.fingerprint
     hd = fp.num_kv_heads * fp.head_dim
     g = torch.Generator().manual_seed(5)
     tok = object.__new__(variants.TokenResidualVariant)
-    tok.base, tok.train_rows, tok.sse_drop = variant, variant.train_rows, 0.1
-    tok.w = 0.05 * torch.randn(fp.num_layers, 4 * hd, 2 * hd, generator=g)
-    tok.mean_f = torch.randn(fp.num_layers, 4 * hd, generator=g)
+    tok.base, tok.train_rows, tok.sse_drop, tok.window = variant, variant.train_rows, 0.1, window
+    tok.w = 0.05 * torch.randn(fp.num_layers, 2 * window * hd, 2 * hd, generator=g)
+    tok.mean_f = torch.randn(fp.num_layers, 2 * window * hd, generator=g)
     tok.mean_r = 0.1 * torch.randn(fp.num_layers, 2 * hd, generator=g)
     cal = object.__new__(variants.CalibratedVariant)
     cal.base, cal.train_rows = tok, tok.train_rows
     cal.log_scale, cal.history = 0.3 * torch.randn(fp.num_layers, fp.num_kv_heads, generator=g), [1.0, 0.5]
     mapper = variants.to_mapper(cal, llama, gemma2tok)
-    assert mapper.token_residual
+    assert mapper.token_residual and mapper.token_window == window
     text = texts[1]
     ids = gemma2tok.tokenize(text)[0]
     item = {**_item(llama, gemma2tok, text), "token_ids": ids}

@@ -112,3 +112,57 @@ def test_randomized_top_eigenpairs_match_the_full_decomposition():
     # same subspace: projections agree
     p1, p2 = u @ u.T, full_u.flip(1)[:, :10].float() @ full_u.flip(1)[:, :10].float().T
     torch.testing.assert_close(p1, p2, atol=1e-3, rtol=1e-3)
+
+
+def _rrr_problem(seed=4):
+    """Features whose high-variance directions do not predict the targets: the case where
+    reduced-rank regression and a PCA bottleneck of the same rank part ways."""
+    g = torch.Generator().manual_seed(seed)
+    n, f, d = 3000, 16, 8
+    x = torch.randn(n, f, generator=g) * torch.cat([torch.full((8,), 4.0), torch.full((8,), 0.5)])
+    w = torch.zeros(f, d)
+    w[8:] = torch.randn(8, d, generator=g) * 4          # the targets depend on the quiet directions only
+    y = x @ w + 0.1 * torch.randn(n, d, generator=g)
+    return x, y
+
+
+def test_reduced_rank_regression_of_full_output_rank_is_the_ridge_map():
+    x, y = _rrr_problem()
+    train, held = _moments(x[:2500], y[:2500], x[2500:], y[2500:])
+    basis = variants.Basis(train, held)
+    coef = basis.coefficients(x.shape[1], 0.01)
+    weights = torch.rand(y.shape[1]) + 0.5
+    full, proj, out = variants.reduce_rank(basis, coef, y.shape[1], weights)
+    torch.testing.assert_close(full, coef, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(proj @ out, basis.u @ coef, rtol=1e-4, atol=1e-4)
+
+
+def test_reduced_rank_regression_beats_a_pca_bottleneck_of_the_same_rank():
+    x, y = _rrr_problem()
+    train, held = _moments(x[:2500], y[:2500], x[2500:], y[2500:])
+    basis = variants.Basis(train, held)
+    r = 4
+    rrr, _, _ = variants.reduce_rank(basis, basis.coefficients(x.shape[1], 1e-3), r, torch.ones(y.shape[1]))
+    pca = basis.coefficients(r, 1e-3)
+    sse_rrr, sse_pca = float(basis.heldout_sse(rrr).sum()), float(basis.heldout_sse(pca).sum())
+    assert sse_rrr < 0.5 * sse_pca
+    # and no rank-r map does better on the training rows than the projection of the ridge fit:
+    # a random rank-r projection of the same ridge map fits worse
+    q = torch.linalg.qr(torch.randn(y.shape[1], r, generator=torch.Generator().manual_seed(0)))[0]
+    coef = basis.coefficients(x.shape[1], 1e-3)
+    random_r = coef @ q @ q.T
+
+    def train_err(c):
+        return float((basis.e[:, None] * (coef - c) ** 2).sum())
+    assert train_err(rrr) < train_err(random_r)
+
+
+def test_output_weights_give_each_layers_keys_and_values_equal_weight():
+    class B:
+        pass
+
+    b = B()
+    b.train_var = torch.cat([torch.full((4,), 100.0), torch.full((4,), 1.0), torch.full((4,), 0.01), torch.full((4,), 4.0)])
+    w = variants.output_weights(b, num_layers=2)      # layout: keys of layers 0, 1, then values of 0, 1
+    totals = (w ** 2 * b.train_var).reshape(4, 4).sum(-1)
+    torch.testing.assert_close(totals, torch.full((4,), 4.0))
