@@ -58,17 +58,29 @@ def _store_dtype(store) -> str | None:
         location.close()
 
 
-def _done(path: Path) -> set[tuple[str, str]]:
+def _done(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    """(item, target) of every finished row → the mapper artifacts it was measured with."""
     if not path.exists():
-        return set()
-    done = set()
+        return {}
+    done = {}
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except ValueError:  # a line cut by an interruption: redo that question
             continue
-        done.add((row["item"], row["target"]))
+        done[(row["item"], row["target"])] = row.get("mappers", {})
     return done
+
+
+def _check_resumable(done: dict[tuple[str, str], dict[str, str]], target: str, mappers: dict[str, str],
+                     path: Path) -> None:
+    """A resumed run must translate with the mappers its earlier rows used: a refitted artifact
+    under the same method name would otherwise mix two maps in one table."""
+    for (item, t), recorded in done.items():
+        for label, artifact in recorded.items():
+            if t == target and label in mappers and mappers[label] != artifact:
+                raise RuntimeError(f"{path} holds rows measured with {label} mapper {artifact} ({item}, {target}); "
+                                   f"this run's is {mappers[label]}. Use another --out, or delete the file to redo it.")
 
 
 def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, source: str = "smollm2-135m",
@@ -124,6 +136,9 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                     notes.append(f"{target}: no {method!r} mapper from the store's source ({exc.__class__.__name__})")
                     continue
                 contexts[label] = ctx
+            mappers = {f"cache:{label}": ctx.active_mapper.artifact_id for label, ctx in contexts.items()
+                       if getattr(ctx.active_mapper, "artifact_id", None)}
+            _check_resumable(done, target, mappers, results_path)
             runner = ItemRunner(base, contexts, max_new_tokens=max_new_tokens)
             for item in items:
                 if (item.id, target) in done:
@@ -132,7 +147,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                     warnings.simplefilter("ignore")
                     results = runner.run(item)
                 row = {"item": item.id, "target": target, "meta": dict(item.meta), "question": item.question,
-                       "answers": list(item.answers), "results": {k: v.to_dict() for k, v in results.items()}}
+                       "answers": list(item.answers), "mappers": mappers,
+                       "results": {k: v.to_dict() for k, v in results.items()}}
                 with open(results_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                     f.flush()

@@ -84,6 +84,28 @@ def test_run_eval_writes_report_and_resumes(setup, tmp_path):
     assert again["rows"] == len(items)
 
 
+def test_a_resumed_run_refuses_rows_measured_with_another_mapper_artifact(setup, tmp_path):
+    import json
+
+    root, model, items = setup
+    out = tmp_path / "refit"
+    kw = dict(source=model, targets=[model], methods=["identity"], top_k=2, max_new_tokens=2, chunk_tokens=32,
+              embedder=HashEmbedder())
+    run_eval(items[:1], out, **kw)
+    path = out / "results.jsonl"
+    row = json.loads(path.read_text())
+    assert row["mappers"] == {"cache:identity": row["mappers"]["cache:identity"]} and row["mappers"]["cache:identity"]
+    run_eval(items[:2], out, store=out / "store", **kw)  # the same artifact: resumes
+    assert len(path.read_text().splitlines()) == 2
+    # as if the mapper had been refitted under the same method name since those rows were written
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["mappers"]["cache:identity"] = "0123456789abcdef"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RuntimeError, match="0123456789abcdef.*Use another --out"):
+        run_eval(items[:3], out, store=out / "store", **kw)
+    assert len(path.read_text().splitlines()) == 2  # nothing was mixed in
+
+
 def test_run_eval_builds_its_store_in_the_dtype_asked(setup, tmp_path):
     from cag.kv import read_metadata
     from stores.location import open_store
