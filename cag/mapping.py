@@ -10,6 +10,9 @@ the pair, and a path loads that artifact (checked against the pair).
 
 Shipped mappers live in ``mappers/pretrained/<name>/`` (installed with the
 package) and in ``$CAG_HOME/mappers/<name>/`` (fitted locally by ``cag fit``).
+Artifacts a refit has beaten are deleted, not kept beside their replacement;
+``mappers/pretrained/retired.json`` remembers them, so asking for one (by its folder
+name, or loading an old copy, recognised by its weights' sha256) says what replaced it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,37 @@ from cag.models.registry import cag_home
 
 class MapperNotFoundError(LookupError):
     """No mapper exists for the (source, target) pair asked for."""
+
+
+class MapperRetiredError(MapperNotFoundError):
+    """The artifact asked for was retired; the message names its replacement."""
+
+
+def retired_artifacts() -> dict[str, dict[str, dict[str, str]]]:
+    import json
+
+    import mappers
+
+    path = Path(mappers.__file__).resolve().parent / "pretrained" / "retired.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _check_not_retired(spec: str) -> None:
+    """Raise `MapperRetiredError` when `spec` names a retired artifact folder or is an old copy of one."""
+    from mappers.base import Mapper, MapperArtifactError
+
+    retired = retired_artifacts()
+    entry = retired.get("by_name", {}).get(Path(spec).name)
+    if entry is None and os.path.isdir(spec):
+        try:
+            sha = Mapper.read_card(Path(spec)).get("weights_sha256")
+        except MapperArtifactError:
+            return  # loading it will say what is wrong with it
+        entry = retired.get("by_weights_sha256", {}).get(sha)
+    if entry is not None:
+        raise MapperRetiredError(
+            f"mapper {spec} is retired ({entry['retired']}): {entry['was']}. Use {entry['replacement']} "
+            f"(mapper=\"auto\" picks it): {entry['why']}.")
 
 
 def mapper_dirs() -> list[Path]:
@@ -74,6 +108,7 @@ def resolve_mapper(spec: str | os.PathLike, source: ModelFingerprint, target: Lo
     spec = str(spec)
     if spec == "identity" or (spec == "auto" and same):
         return IdentityMapper(source, target.fingerprint)
+    _check_not_retired(spec)
     if os.path.isdir(spec):
         return load_mapper(spec, source=source, target=target.fingerprint)
     candidates = [(folder, card) for folder, card in available_mappers()

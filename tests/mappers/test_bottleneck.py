@@ -132,3 +132,62 @@ def test_token_residual_and_learned_key_scale_fold_into_the_runtime_mapper(fitte
     out = mapper.translate(llama.prefill(text), text, gemma2tok)
     torch.testing.assert_close(out.keys, keys, rtol=2e-2, atol=3e-2)
     torch.testing.assert_close(out.values, values, rtol=2e-2, atol=3e-2)
+
+
+def test_a_reduced_rank_variant_exports_to_the_runtime_mapper_it_scores_as(llama, gemma2tok, texts):
+    """The shipped map is a reduced-rank regression: its factors must reach the runtime intact."""
+    x, y = _rows(llama, gemma2tok, texts[:-1])
+    hx, hy = _rows(llama, gemma2tok, texts[-1:])
+    train, held = variants.Moments(x.shape[1], y.shape[1]), variants.Moments(x.shape[1], y.shape[1])
+    train.add(x, y)
+    held.add(hx, hy)
+    fp = gemma2tok.fingerprint
+    variant = variants.LinearVariant(variants.Basis(train, held), train.n, fp.head_dim, rank=None, hidden=False,
+                                     match=True, key_scale=1.0, native_layers=0, output_rank=8,
+                                     num_layers=fp.num_layers)
+    assert variant.proj.shape[1] == 8 and variant.coef.shape[0] == 8
+    mapper = variants.to_mapper(variant, llama, gemma2tok)
+    assert mapper.settings["rank"] == 8
+    text = texts[0]
+    keys, values = variant.translate(_item(llama, gemma2tok, text), gemma2tok)
+    out = mapper.translate(llama.prefill(text), text, gemma2tok)
+    torch.testing.assert_close(out.keys, keys, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.values, values, rtol=2e-2, atol=2e-2)
+
+
+def test_a_retired_artifact_is_refused_with_its_replacement_named(fitted, llama, gemma2tok, tmp_path, monkeypatch):
+    import json
+
+    from cag import mapping
+
+    _, mapper = fitted
+    mapper.save(tmp_path / "old-copy")
+    sha = json.loads((tmp_path / "old-copy" / "card.json").read_text())["weights_sha256"]
+    assert mapping.resolve_mapper(str(tmp_path / "old-copy"), llama.fingerprint, gemma2tok).method == "bottleneck"
+    entry = {"was": "a PCA bottleneck", "replacement": "llama__gemma__bottleneck", "why": "the refit finds more",
+             "retired": "2026-12-02"}
+    monkeypatch.setattr(mapping, "retired_artifacts",
+                        lambda: {"by_weights_sha256": {sha: entry}, "by_name": {"llama__gemma__pca": entry}})
+    with pytest.raises(mapping.MapperRetiredError, match="retired .*Use llama__gemma__bottleneck"):
+        mapping.resolve_mapper(str(tmp_path / "old-copy"), llama.fingerprint, gemma2tok)
+    with pytest.raises(mapping.MapperNotFoundError, match="llama__gemma__bottleneck"):  # by name, a subclass
+        mapping.resolve_mapper("llama__gemma__pca", llama.fingerprint, gemma2tok)
+
+
+def test_the_shipped_retirement_list_reads_and_names_replacements_that_ship():
+    from pathlib import Path
+
+    from cag import mapping
+
+    retired = mapping.retired_artifacts()
+    pretrained = Path(mapping.__file__).resolve().parents[1] / "mappers" / "pretrained"
+    entries = [*retired["by_weights_sha256"].values(), *retired["by_name"].values()]
+    assert entries
+    for entry in entries:
+        assert (pretrained / entry["replacement"]).is_dir()
+    for name in retired["by_name"]:
+        assert not (pretrained / name).exists()  # retired means gone, not kept beside the replacement
+    import json
+
+    shipped = {json.loads(card.read_text())["weights_sha256"] for card in pretrained.glob("*/card.json")}
+    assert not shipped & set(retired["by_weights_sha256"])
