@@ -115,6 +115,9 @@ class Mapper(ABC):
         self.target = target
         self.settings: dict[str, Any] = dict(settings or {})
         self.fitted_on: dict[str, Any] = {}
+        # the saved weights' digest, once saved or loaded: part of `artifact_id`, so a refit that
+        # keeps method, settings and provenance still gets an id of its own
+        self.weights_sha256: str | None = None
         self.fit_seconds: float | None = None
         self.fidelity: dict[str, Any] = {}
 
@@ -171,9 +174,11 @@ class Mapper(ABC):
 
     @property
     def artifact_id(self) -> str:
-        ident = json.dumps({"method": self.method, "source": self.source.id, "target": self.target.id,
-                            "settings": self.settings, "fitted_on": self.fitted_on},
-                           sort_keys=True, default=str)
+        fields = {"method": self.method, "source": self.source.id, "target": self.target.id,
+                  "settings": self.settings, "fitted_on": self.fitted_on}
+        if self.weights_sha256 is not None:
+            fields["weights_sha256"] = self.weights_sha256
+        ident = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
     def card(self) -> dict[str, Any]:
@@ -204,6 +209,7 @@ class Mapper(ABC):
         else:
             card["weights_sha256"] = None
         write_card(folder, card)
+        self.weights_sha256 = card["weights_sha256"]
         return folder
 
     @staticmethod
@@ -267,6 +273,7 @@ def load_mapper(path: str | os.PathLike, *, source: ModelFingerprint | None = No
     mapper.fitted_on = dict(card.get("fitted_on") or {})
     mapper.fit_seconds = card.get("fit_seconds")
     mapper.fidelity = dict(card.get("fidelity") or {})
+    mapper.weights_sha256 = digest
     return mapper
 
 

@@ -191,3 +191,17 @@ def test_the_shipped_retirement_list_reads_and_names_replacements_that_ship():
 
     shipped = {json.loads(card.read_text())["weights_sha256"] for card in pretrained.glob("*/card.json")}
     assert not shipped & set(retired["by_weights_sha256"])
+
+
+def test_artifact_id_tells_refits_apart_and_survives_a_round_trip(fitted, llama, gemma2tok, tmp_path):
+    _, mapper = fitted
+    mapper.save(tmp_path / "a")
+    first = load_mapper(tmp_path / "a", source=llama.fingerprint, target=gemma2tok.fingerprint)
+    assert first.artifact_id == mapper.artifact_id
+    # a refit with the same method, settings and provenance but other weights
+    refit = load_mapper(tmp_path / "a", source=llama.fingerprint, target=gemma2tok.fingerprint)
+    refit.set_weights(**{k: (v * 1.01 if k == "coef" else v) for k, v in refit.weights.items()})
+    refit.save(tmp_path / "b")
+    second = load_mapper(tmp_path / "b", source=llama.fingerprint, target=gemma2tok.fingerprint)
+    assert second.settings == first.settings and second.fitted_on == first.fitted_on
+    assert second.artifact_id != first.artifact_id
