@@ -182,7 +182,7 @@ def top_eigen(a: torch.Tensor, k: int, oversample: int = 64, power: int = 3) -> 
 
 
 MAX_RANK = 1024  # the widest bottleneck the lab fits on real features
-_BASES: dict[tuple[str, bool], tuple[Basis, int]] = {}
+_BASES: dict[tuple[str, bool, bool], tuple[Basis, int]] = {}
 
 
 def basis_for(lab: Path, hidden: bool, *, full: bool = False) -> tuple[Basis, int]:
@@ -192,19 +192,19 @@ def basis_for(lab: Path, hidden: bool, *, full: bool = False) -> tuple[Basis, in
     key = (str(lab), hidden, full)
     if key not in _BASES:
         train, held = moments(lab, hidden)
-        if not full:
-            _BASES[key] = (Basis(train, held, max_rank=MAX_RANK), train.n)
-        else:
-            cache = lab / "stats" / f"{'kvh' if hidden else 'kv'}-{len(data.shard_paths(lab))}.eigh.safetensors"
-            eig = None
-            if cache.exists():
-                t = load_file(str(cache))
-                eig = (t["e"], t["u"])
-            basis = Basis(train, held, eig=eig)
-            if eig is None:
-                save_file({"e": basis.e.contiguous(), "u": basis.u.contiguous()}, str(cache))
-            _BASES[key] = (basis, train.n)
+        basis = _full_basis(lab, hidden, train, held) if full else Basis(train, held, max_rank=MAX_RANK)
+        _BASES[key] = (basis, train.n)
     return _BASES[key]
+
+
+def _full_basis(lab: Path, hidden: bool, train: Moments, held: Moments) -> Basis:
+    cache = lab / "stats" / f"{'kvh' if hidden else 'kv'}-{len(data.shard_paths(lab))}.eigh.safetensors"
+    if cache.exists():
+        t = load_file(str(cache))
+        return Basis(train, held, eig=(t["e"], t["u"]))
+    basis = Basis(train, held)
+    save_file({"e": basis.e.contiguous(), "u": basis.u.contiguous()}, str(cache))
+    return basis
 
 
 # --------------------------------------------------------------- variants

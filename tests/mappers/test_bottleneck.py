@@ -22,14 +22,19 @@ def _rows(source, target, texts):
 
 
 @pytest.fixture(scope="module")
-def fitted(llama, gemma2tok, texts):
+def basis(llama, gemma2tok, texts):
+    """The lab's full eigenbasis of the tiny pair's rows (the last text held out) and its row count."""
     x, y = _rows(llama, gemma2tok, texts[:-1])
     hx, hy = _rows(llama, gemma2tok, texts[-1:])
     train, held = variants.Moments(x.shape[1], y.shape[1]), variants.Moments(x.shape[1], y.shape[1])
     train.add(x, y)
     held.add(hx, hy)
-    basis = variants.Basis(train, held)
-    variant = variants.LinearVariant(basis, train.n, gemma2tok.fingerprint.head_dim, rank=16, hidden=False,
+    return variants.Basis(train, held), train.n
+
+
+@pytest.fixture(scope="module")
+def fitted(basis, llama, gemma2tok):
+    variant = variants.LinearVariant(*basis, gemma2tok.fingerprint.head_dim, rank=16, hidden=False,
                                      match=True, key_scale=1.1, native_layers=0)
     return variant, variants.to_mapper(variant, llama, gemma2tok)
 
@@ -134,15 +139,10 @@ def test_token_residual_and_learned_key_scale_fold_into_the_runtime_mapper(fitte
     torch.testing.assert_close(out.values, values, rtol=2e-2, atol=3e-2)
 
 
-def test_a_reduced_rank_variant_exports_to_the_runtime_mapper_it_scores_as(llama, gemma2tok, texts):
+def test_a_reduced_rank_variant_exports_to_the_runtime_mapper_it_scores_as(basis, llama, gemma2tok, texts):
     """The shipped map is a reduced-rank regression: its factors must reach the runtime intact."""
-    x, y = _rows(llama, gemma2tok, texts[:-1])
-    hx, hy = _rows(llama, gemma2tok, texts[-1:])
-    train, held = variants.Moments(x.shape[1], y.shape[1]), variants.Moments(x.shape[1], y.shape[1])
-    train.add(x, y)
-    held.add(hx, hy)
     fp = gemma2tok.fingerprint
-    variant = variants.LinearVariant(variants.Basis(train, held), train.n, fp.head_dim, rank=None, hidden=False,
+    variant = variants.LinearVariant(*basis, fp.head_dim, rank=None, hidden=False,
                                      match=True, key_scale=1.0, native_layers=0, output_rank=8,
                                      num_layers=fp.num_layers)
     assert variant.proj.shape[1] == 8 and variant.coef.shape[0] == 8
