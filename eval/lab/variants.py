@@ -41,6 +41,7 @@ from eval.lab import data
 from mappers.bottleneck import direct_features, token_residual  # the runtime's own definitions
 
 LAMBDAS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # relative to the mean eigenvalue
+WIDE_LAMBDAS = (1e-2, 3e-2, 1e-1)
 HELD_OUT_FRACTION = 0.1
 
 
@@ -66,8 +67,8 @@ class Moments:
         self.n += x.shape[0]
         self.sx += x.sum(0, dtype=torch.float64)
         self.sy += y.sum(0, dtype=torch.float64)
-        self.sxx += (x.T @ x).double()       # fp32 products of one shard, summed in fp64
-        self.sxy += (x.T @ y).double()
+        self.sxx.add_(x.T @ x)               # fp32 products of one shard, summed in fp64
+        self.sxy.add_(x.T @ y)
         self.syy += (y * y).sum(0, dtype=torch.float64)
 
     def state(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -118,41 +119,63 @@ def moments(lab: Path, hidden: bool, max_rows: int | None = None) -> tuple[Momen
     return train, held
 
 
-class Basis:
-    """Standardisation, the eigendecomposition of the standardised train covariance, and
-    the held-out moments in that eigenbasis (so every rank and λ is scored exactly)."""
+class Standardised:
+    """The train moments standardised (centred, unit variance per feature) and the held-out
+    moments in the same coordinates, so a map's held-out error is exact from moments alone."""
 
-    def __init__(self, train: Moments, held: Moments, *, max_rank: int | None = None,
-                 eig: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(self, train: Moments, held: Moments) -> None:
         n = train.n
         self.mx = train.sx / n
         self.my = train.sy / n
-        cxx = train.sxx / n - torch.outer(self.mx, self.mx)
+        # in place, rank-one updates and broadcast divisions: a wide feature set holds several
+        # GB per matrix, and a temporary of each would not fit beside the moments
+        cxx = train.sxx / n
+        cxx.addr_(self.mx, self.mx, alpha=-1)
         self.sd = torch.diagonal(cxx).clamp_min(1e-12).sqrt()
-        cxx = (cxx / torch.outer(self.sd, self.sd)).float()
-        cxy = ((train.sxy / n - torch.outer(self.mx, self.my)) / self.sd[:, None]).float()
+        cxx.div_(self.sd[:, None]).div_(self.sd[None, :])
+        self.cxx = cxx                                                  # fp64 [F, F]
+        self.cxy = ((train.sxy / n - torch.outer(self.mx, self.my)) / self.sd[:, None]).float()
+        self.tau = float(torch.diagonal(cxx).mean())                    # mean eigenvalue = tr/F
+        self.train_var = (train.syy / n - self.my ** 2).float()          # [D]
+        # held-out rows, centred and standardised with the *train* statistics
+        m = held.n
+        sx = (held.sx - m * self.mx) / self.sd
+        sxx = held.sxx.clone()
+        sxx.addr_(held.sx, self.mx, alpha=-1).addr_(self.mx, held.sx, alpha=-1).addr_(self.mx, self.mx, alpha=m)
+        sxx.div_(self.sd[:, None]).div_(self.sd[None, :])
+        self.held_sxx = sxx
+        self.held_sxy = ((held.sxy - torch.outer(self.mx, held.sy)) / self.sd[:, None] - torch.outer(sx, self.my)).float()
+        self.held_syy = (held.syy - 2 * self.my * held.sy + m * self.my ** 2).float()
+        self.held_sst = (held.syy - held.sy ** 2 / max(m, 1)).float()
+
+
+class Basis(Standardised):
+    """The eigendecomposition of the standardised train covariance, and the held-out moments
+    in that eigenbasis (so every rank and λ is scored exactly)."""
+
+    full_rank_only = False
+
+    def __init__(self, train: Moments, held: Moments, *, max_rank: int | None = None,
+                 eig: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__(train, held)
+        cxx = self.cxx.float()
         f = cxx.shape[0]
         k = f if max_rank is None or max_rank >= f else max_rank
         if eig is not None:
             self.e, self.u = eig
         elif k == f:
-            e, u = torch.linalg.eigh(cxx.double())                      # ascending
+            e, u = torch.linalg.eigh(self.cxx)                          # ascending
             self.e, self.u = e.flip(0).clamp_min(0).float(), u.flip(1).float()
         else:
             self.e, self.u = top_eigen(cxx, k)
-        self.qty = self.u.T @ cxy                                       # [k, D]
-        self.tau = float(torch.diagonal(cxx).mean())                    # mean eigenvalue = tr/F
-        self.train_var = (train.syy / n - self.my ** 2).float()          # [D]
-        # held-out rows, centred and standardised with the *train* statistics, in the eigenbasis
-        m = held.n
-        sx = (held.sx - m * self.mx) / self.sd
-        sxx = (held.sxx - torch.outer(held.sx, self.mx) - torch.outer(self.mx, held.sx)
-               + m * torch.outer(self.mx, self.mx)) / torch.outer(self.sd, self.sd)
-        sxy = (held.sxy - torch.outer(self.mx, held.sy)) / self.sd[:, None] - torch.outer(sx, self.my)
-        self.held_a = self.u.T @ (sxx.float() @ self.u)                 # [k, k]
-        self.held_b = self.u.T @ sxy.float()                            # [k, D]
-        self.held_syy = (held.syy - 2 * self.my * held.sy + m * self.my ** 2).float()
-        self.held_sst = (held.syy - held.sy ** 2 / max(m, 1)).float()
+        self.qty = self.u.T @ self.cxy                                  # [k, D]
+        self.held_a = self.u.T @ (self.held_sxx.float() @ self.u)       # [k, k]
+        self.held_b = self.u.T @ self.held_sxy                          # [k, D]
+        del self.cxx, self.held_sxx, self.held_sxy                      # what the eigenbasis replaces
+
+    @property
+    def num_features(self) -> int:
+        return self.u.shape[0]
 
     def coefficients(self, rank: int, lam: float) -> torch.Tensor:
         """``[r, D]``: the map in the eigenbasis, G·Qᵀ (so W = U_r · coefficients)."""
@@ -166,6 +189,56 @@ class Basis:
     def predicted_var(self, coef: torch.Tensor) -> torch.Tensor:
         r = coef.shape[0]
         return (self.e[:r, None] * coef * coef).sum(0)
+
+    def fitted_cov(self, coef: torch.Tensor) -> torch.Tensor:
+        """``coefᵀ Cxx coef`` ``[D, D]``: the train covariance of the map's fitted values."""
+        return (coef.T * self.e[None, : coef.shape[0]]) @ coef
+
+    def to_features(self, coef: torch.Tensor) -> torch.Tensor:
+        """A map in this basis as a map from the standardised features ``[F, ·]``."""
+        return self.u[:, : coef.shape[0]] @ coef
+
+
+class WideBasis(Standardised):
+    """`Basis`'s interface in the standardised feature coordinates themselves, for feature sets
+    too wide to eigendecompose here in minutes: with the source's hidden states beside its
+    K/V (20,160 features) a full eigendecomposition takes about half an hour on two cores.
+    Only the full-rank ridge is offered, one Cholesky solve per λ; reduced-rank regression
+    then compresses its output."""
+
+    full_rank_only = True
+
+    def __init__(self, train: Moments, held: Moments) -> None:
+        super().__init__(train, held)
+        self.held_a = self.held_sxx.float()
+        self.held_b = self.held_sxy
+        del self.held_sxx, self.held_sxy
+        self._cxx32 = self.cxx.float()
+
+    @property
+    def num_features(self) -> int:
+        return self.cxy.shape[0]
+
+    def coefficients(self, rank: int, lam: float) -> torch.Tensor:
+        if rank != self.num_features:
+            raise ValueError("a wide basis fits the full-rank ridge only (then reduced-rank regression)")
+        a = self.cxx.clone()
+        a.diagonal().add_(lam * self.tau)
+        chol = torch.linalg.cholesky(a)                     # fp64: the covariance is ill-conditioned
+        del a
+        return torch.cholesky_solve(self.cxy, chol.float())  # the solve in fp32 (twice as fast here)
+
+    def heldout_sse(self, coef: torch.Tensor) -> torch.Tensor:
+        return self.held_syy - 2 * (self.held_b * coef).sum(0) + ((self.held_a @ coef) * coef).sum(0)
+
+    def predicted_var(self, coef: torch.Tensor) -> torch.Tensor:
+        return ((self._cxx32 @ coef) * coef).sum(0)
+
+    def fitted_cov(self, coef: torch.Tensor) -> torch.Tensor:
+        return coef.T @ (self._cxx32 @ coef)
+
+    def to_features(self, coef: torch.Tensor) -> torch.Tensor:
+        return coef
 
 
 def top_eigen(a: torch.Tensor, k: int, oversample: int = 64, power: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,15 +258,20 @@ MAX_RANK = 1024  # the widest bottleneck the lab fits on real features
 _BASES: dict[tuple[str, bool, bool], tuple[Basis, int]] = {}
 
 
-def basis_for(lab: Path, hidden: bool, *, full: bool = False) -> tuple[Basis, int]:
+def basis_for(lab: Path, hidden: bool, *, full: bool = False) -> tuple[Basis | WideBasis, int]:
     """The eigenbasis of the lab's features: the top `MAX_RANK` directions, or all of them
     (`full`, for the unconstrained ridge and reduced-rank regression; its eigendecomposition
-    takes minutes, so it is cached beside the moments)."""
+    takes minutes, so it is cached beside the moments). With hidden states, `full` is a
+    `WideBasis` (Cholesky solves, no eigendecomposition)."""
     key = (str(lab), hidden, full)
     if key not in _BASES:
         train, held = moments(lab, hidden)
-        basis = _full_basis(lab, hidden, train, held) if full else Basis(train, held, max_rank=MAX_RANK)
+        if full and hidden:
+            basis = WideBasis(train, held)
+        else:
+            basis = _full_basis(lab, hidden, train, held) if full else Basis(train, held, max_rank=MAX_RANK)
         _BASES[key] = (basis, train.n)
+        del train, held
     return _BASES[key]
 
 
@@ -226,15 +304,20 @@ class LinearVariant(Variant):
                  match: bool, key_scale: float, native_layers: int, output_rank: int | None = None,
                  num_layers: int | None = None) -> None:
         self.train_rows = train_rows
-        f, d = basis.u.shape[0], basis.qty.shape[1]
-        if rank is None and basis.u.shape[1] < f:
-            raise ValueError(f"full-rank ridge needs the full eigenbasis; this one holds {basis.u.shape[1]} directions")
-        self.rank = min(rank or f, basis.u.shape[1])
+        f, d = basis.num_features, basis.cxy.shape[1]
+        held = f if basis.full_rank_only else basis.u.shape[1]
+        if rank is None and held < f:
+            raise ValueError(f"full-rank ridge needs the full eigenbasis; this one holds {held} directions")
+        if basis.full_rank_only and (rank is not None or output_rank is None):
+            raise ValueError("a wide feature set is fitted as reduced-rank regression only (rrr<r>)")
+        self.rank = min(rank or f, held)
         dt = head_dim
         best_sse = torch.full((d // dt,), float("inf"))
         coef = torch.zeros(self.rank, d)
         self.lambdas = [0.0] * (d // dt)
-        for lam in LAMBDAS:  # λ per target head (and layer, and kind), on held-out contexts
+        # λ per target head (and layer, and kind), on held-out contexts; a wide basis pays a
+        # Cholesky solve per λ, so it tries the middle of the grid, where every K/V fit chose
+        for lam in (WIDE_LAMBDAS if basis.full_rank_only else LAMBDAS):
             c = basis.coefficients(self.rank, lam)
             sse = basis.heldout_sse(c).reshape(-1, dt).sum(-1)
             better = sse < best_sse
@@ -298,12 +381,12 @@ def reduce_rank(basis: Basis, coef: torch.Tensor, r: int,
     eigenbasis (for held-out SSE and spread), and its factors in the runtime's form:
     ``proj`` ``[F, r]`` (standardised features → bottleneck) and ``out`` ``[r, D]``."""
     wc = coef * weights[None, :]
-    fitted = (wc.T * basis.e[None, :]) @ wc                                  # [D, D]
+    fitted = basis.fitted_cov(wc)                                           # [D, D]
     _, v = torch.linalg.eigh(fitted.double())
     v = v.flip(1)[:, :r].float()                                            # [D, r]
     inner = wc @ v                                                          # [F, r]
     out = v.T / weights[None, :]                                            # [r, D]
-    return inner @ out, (basis.u @ inner).contiguous(), out.contiguous()
+    return inner @ out, basis.to_features(inner).contiguous(), out.contiguous()
 
 
 class ShippedVariant(Variant):
@@ -389,7 +472,8 @@ def fit_token_residual(base: "LinearVariant", lab: Path, source, target, window:
                     raise ValueError(f"lab context {ctx} no longer reproduces its recorded text; rebuild the lab")
                 rows = shard["ctx"] == ctx
                 ids, pos = _context_rows(source, target, text)
-                item = {"xkv": shard["xkv"][rows], "has_source": torch.ones(int(rows.sum()), dtype=torch.bool)}
+                item = {"xkv": shard["xkv"][rows], "xh": shard["xh"][rows],
+                        "has_source": torch.ones(int(rows.sum()), dtype=torch.bool)}
                 keys, values = base.translate(item, target)                              # [L, H, T', D]
                 y = data.split_target(shard["y"][rows].float(), L, fp.num_kv_heads)
                 res = torch.cat([(y[0] - keys).permute(0, 2, 1, 3).reshape(L, -1, hd),

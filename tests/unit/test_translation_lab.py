@@ -166,3 +166,24 @@ def test_output_weights_give_each_layers_keys_and_values_equal_weight():
     w = variants.output_weights(b, num_layers=2)      # layout: keys of layers 0, 1, then values of 0, 1
     totals = (w ** 2 * b.train_var).reshape(4, 4).sum(-1)
     torch.testing.assert_close(totals, torch.full((4,), 4.0))
+
+
+def test_wide_basis_fits_the_same_reduced_rank_map_as_the_eigenbasis():
+    """The Cholesky path (hidden states beside K/V: too wide to eigendecompose in minutes)
+    gives the same ridge, held-out error, spread and reduced-rank map as the eigenbasis."""
+    x, y = _rrr_problem(seed=5)
+    train, held = _moments(x[:2500], y[:2500], x[2500:], y[2500:])
+    basis, wide = variants.Basis(train, held), variants.WideBasis(train, held)
+    lam = 0.03
+    eig_coef, wide_coef = basis.coefficients(x.shape[1], lam), wide.coefficients(x.shape[1], lam)
+    torch.testing.assert_close(basis.to_features(eig_coef), wide_coef, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(basis.heldout_sse(eig_coef), wide.heldout_sse(wide_coef), rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(basis.predicted_var(eig_coef), wide.predicted_var(wide_coef), rtol=1e-3, atol=1e-3)
+    weights = torch.rand(y.shape[1]) + 0.5
+    _, proj_e, out_e = variants.reduce_rank(basis, eig_coef, 3, weights)
+    _, proj_w, out_w = variants.reduce_rank(wide, wide_coef, 3, weights)
+    torch.testing.assert_close(proj_e @ out_e, proj_w @ out_w, rtol=1e-3, atol=1e-3)
+    import pytest
+
+    with pytest.raises(ValueError, match="full-rank ridge only"):
+        wide.coefficients(4, lam)
