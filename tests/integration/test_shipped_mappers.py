@@ -70,14 +70,21 @@ def test_auto_ranks_by_lookup_fidelity_and_heterofold_is_live_better_on_an_evalu
     assert live["heterofold"] < live["ridge"]
 
 
-def test_shipped_bottleneck_is_within_budget_loads_for_its_pair_and_beats_no_context_on_lab_lookups(models):
-    folder = PRETRAINED / "smollm2-135m__qwen2.5-0.5b__bottleneck"
+# the lab items each shipped map's card was scored on: Gemma-3's map has not had its n = 40
+# confirmation yet (README, "The translation lab")
+LAB_N = {"qwen2.5-0.5b": 40, "gemma3-270m": 16}
+
+
+@pytest.mark.parametrize("target_name", sorted(LAB_N))
+def test_shipped_bottleneck_is_within_budget_loads_for_its_pair_and_beats_no_context_on_lab_lookups(models,
+                                                                                                     target_name):
+    folder = PRETRAINED / f"smollm2-135m__{target_name}__bottleneck"
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     assert size <= 20e6, f"{folder.name} is {size / 1e6:.1f} MB"
-    source, target = models["smollm2-135m"], models["qwen2.5-0.5b"]
+    source, target = models["smollm2-135m"], models[target_name]
     mapper = resolve_mapper("bottleneck", source.fingerprint, target)
     lab = mapper.card()["fidelity"]["lab_lookup"]
-    assert lab["n"] >= 40 and lab["found"] > lab["no_context_found"] and lab["gold_ll"] > lab["no_context_gold_ll"] + 1
+    assert lab["n"] >= LAB_N[target_name] and lab["found"] > lab["no_context_found"] and lab["gold_ll"] > lab["no_context_gold_ll"] + 1
     assert mapper.fitted_on["prefill_prefix"] == {"source": source.prefill_prefix, "target": target.prefill_prefix}
     text = " ".join(essay_text(evaluation_essays()[0]).split()[100:220])
     out = mapper.translate(source.prefill(text), text, target)
