@@ -96,9 +96,16 @@ def connect(address: str) -> bool:
 class _PrefillWorker:
     """One Ray actor: the source model, loaded once, prefilling batch after batch."""
 
-    def __init__(self, model: str, dtype: str, sink_ids: list[int], prefill_prefix: str) -> None:
+    def __init__(self, model: str, dtype: str, sink_ids: list[int], prefill_prefix: str, threads: int) -> None:
+        import torch
+
         from cag.models import registry
 
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs; the driver's count is used
+        # instead, because bf16 kernels with native bf16 (AVX-512 BF16, AMX) reduce
+        # in an order that depends on the thread count, and the bytes must equal a
+        # local build's (measured: 1 thread against 2 differ by up to 0.125 in keys).
+        torch.set_num_threads(threads)
         lm = registry.load(model, dtype)
         if (list(lm.sink_ids), lm.prefill_prefix) != (sink_ids, prefill_prefix):
             # the driver's source prefills after another prefix (e.g. `with_prefill_prefix`)
@@ -133,13 +140,23 @@ class RayPrefill:
     calls `close()` (or uses ``with``) when done; after a failed build they are
     stopped regardless.
 
+    `threads`: torch threads per worker, by default the driver's own
+    (``torch.get_num_threads()``), so a worker computes exactly what the driver
+    would: on CPUs with native bf16 the result of a bf16 forward depends on the
+    thread count. Chunks from workers on other hardware or thread counts differ in
+    their last bits (their keys do not: those hash text, model and settings).
+    `start_timeout_s`: how long the workers may take to start and load the model;
+    past it (a cluster without free CPUs, a node that cannot load the model) the
+    build fails with `RayBuildError` instead of waiting forever.
+
     After a call: `worker_pids` holds the workers' pids at its start and
     `batches_by_pid` counts the batches each process computed in it (a restarted
     worker has a new pid).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, workers: int | None = None, cpus_per_worker: float = 1,
-                 max_retries: int = 3, batches_in_flight: int = 2, keep_workers: bool = False) -> None:
+                 max_retries: int = 3, batches_in_flight: int = 2, keep_workers: bool = False,
+                 threads: int | None = None, start_timeout_s: float = 600) -> None:
         model = os.fspath(model)
         path = Path(model).expanduser()
         self.model = str(path.resolve()) if path.is_dir() else model
@@ -147,7 +164,10 @@ class RayPrefill:
             raise ValueError(f"workers must be at least 1, not {workers}")
         if batches_in_flight < 1:
             raise ValueError(f"batches_in_flight must be at least 1, not {batches_in_flight}")
-        self.workers, self.cpus_per_worker = workers, cpus_per_worker
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be at least 1, not {threads}")
+        self.workers, self.cpus_per_worker, self.threads = workers, cpus_per_worker, threads
+        self.start_timeout_s = start_timeout_s
         self.max_retries, self.batches_in_flight, self.keep_workers = max_retries, batches_in_flight, keep_workers
         self.worker_pids: list[int] = []
         self.batches_by_pid: Counter[int] = Counter()
@@ -206,7 +226,10 @@ class RayPrefill:
 
     def _start(self, ray, source: LoadedModel, count: int) -> list[Any]:
         """At least `count` workers of `source`'s model, checked against it."""
-        spec = (self.model, str(source.dtype).removeprefix("torch."), list(source.sink_ids), source.prefill_prefix)
+        import torch
+
+        spec = (self.model, str(source.dtype).removeprefix("torch."), list(source.sink_ids), source.prefill_prefix,
+                self.threads or torch.get_num_threads())
         if self._spec != spec:  # kept workers of another model or prefix
             self.close()
         worker = ray.remote(_PrefillWorker).options(num_cpus=self.cpus_per_worker, max_restarts=self.max_retries,
@@ -214,7 +237,8 @@ class RayPrefill:
         while len(self._actors) < count:
             self._actors.append(worker.remote(*spec))
         self._spec = spec
-        identities = self._get(ray, [a.identity.remote() for a in self._actors], "loading the source model")
+        identities = self._get(ray, [a.identity.remote() for a in self._actors], "loading the source model",
+                               timeout=self.start_timeout_s)
         for identity in identities:
             self._check_worker(source, identity)
         self.worker_pids = [i["pid"] for i in identities]
@@ -224,9 +248,13 @@ class RayPrefill:
     def _cluster_workers(self, ray) -> int:
         return max(1, int(ray.cluster_resources().get("CPU", 1) // self.cpus_per_worker))
 
-    def _get(self, ray, refs, doing: str):
+    def _get(self, ray, refs, doing: str, timeout: float | None = None):
         try:
-            return ray.get(refs)
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise RayBuildError(f"Ray workers did not finish {doing} within {timeout:g} s: the cluster has "
+                                f"{ray.available_resources().get('CPU', 0):g} CPU(s) free, each worker needs "
+                                f"{self.cpus_per_worker:g}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
             raise RayBuildError(f"a Ray worker died while {doing}, more than {self.max_retries} time(s) "
                                 f"({type(exc).__name__}); chunks stored so far are kept, so rerunning the "

@@ -139,6 +139,16 @@ def test_worker_with_another_model_is_refused(tmp_path, ray_cluster, source):
         assert len(chunks) == 0  # refused before anything was stored
 
 
+def test_workers_that_cannot_start_fail_the_build_instead_of_waiting(tmp_path, ray_cluster, tiny_folder, source):
+    corpus = write_corpus(tmp_path / "c", {"a.txt": doc(1)})
+    # a worker that needs 3 CPUs never starts on the 2-CPU cluster
+    with pytest.raises(RayBuildError, match="did not finish loading the source model within 5 s"):
+        build(corpus, tmp_path / "s", source, prefill=RayPrefill(tiny_folder, workers=1, cpus_per_worker=3,
+                                                                 start_timeout_s=5))
+    with DiskCacheChunkStore(chunks_dir(tmp_path / "s")) as chunks:
+        assert len(chunks) == 0
+
+
 def test_cli_build_on_ray_equals_cli_build(tmp_path, ray_cluster, tiny_folder):
     corpus = write_corpus(tmp_path / "c", {f"d{i}.txt": doc(i, paragraphs=2) for i in range(3)})
     runner = CliRunner()
@@ -175,7 +185,8 @@ def test_smollm2_ray_build_equals_local_build(tmp_path, ray_cluster):
     lm = registry.load("smollm2-135m", "bfloat16")  # what `cag build` prefills with
     local = build(corpus, tmp_path / "local", lm, chunk_tokens=256)
     # One worker: the tiny tests cover the spreading; this one covers the real model
-    # loaded by its short name in another process, in bf16, and its bytes.
+    # loaded by its short name in another process, in bf16, and its bytes (equal
+    # only because the worker runs the driver's thread count: see RayPrefill).
     remote = build(corpus, tmp_path / "ray", lm, chunk_tokens=256, prefill=RayPrefill("smollm2-135m", workers=1))
     assert remote.chunks_prefilled == local.chunks_prefilled >= 4
     assert_same_store(tmp_path / "ray", tmp_path / "local")
