@@ -101,10 +101,7 @@ class _PrefillWorker:
 
         from cag.models import registry
 
-        # Ray sets OMP_NUM_THREADS to the actor's CPUs; the driver's count is used
-        # instead, because bf16 kernels with native bf16 (AVX-512 BF16, AMX) reduce
-        # in an order that depends on the thread count, and the bytes must equal a
-        # local build's (measured: 1 thread against 2 differ by up to 0.125 in keys).
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs; `threads` overrides it (why: RayPrefill).
         torch.set_num_threads(threads)
         lm = registry.load(model, dtype)
         if (list(lm.sink_ids), lm.prefill_prefix) != (sink_ids, prefill_prefix):
@@ -230,7 +227,7 @@ class RayPrefill:
 
         spec = (self.model, str(source.dtype).removeprefix("torch."), list(source.sink_ids), source.prefill_prefix,
                 self.threads or torch.get_num_threads())
-        if self._spec != spec:  # kept workers of another model or prefix
+        if self._spec != spec:  # kept workers of another model, prefix or thread count
             self.close()
         worker = ray.remote(_PrefillWorker).options(num_cpus=self.cpus_per_worker, max_restarts=self.max_retries,
                                                     max_task_retries=self.max_retries)
