@@ -39,7 +39,8 @@ from cag.models.prompt import head_ids as prompt_head_ids
 
 # How `place` chooses the tokens to recompute. "source" and "retriever" are chosen
 # outside the target (cag.selection) and passed in as `positions`.
-RECOMPUTE_SELECT = ("deviation", "question", "first_k", "source", "retriever")
+RECOMPUTE_SELECT = ("deviation", "question", "first_k", "source", "retriever", "source_chunk", "retriever_chunk")
+GUIDED_SELECT = ("source", "retriever", "source_chunk", "retriever_chunk")  # positions chosen outside the target
 
 
 @dataclass
@@ -113,7 +114,7 @@ class Assembler:
             raise ValueError(f"recompute_select must be one of {RECOMPUTE_SELECT}, got {recompute_select!r}")
         if recompute_select == "question" and recompute_ratio > 0 and question_ids is None:
             raise ValueError("question-guided recompute needs the question's ids")
-        if recompute_select in ("source", "retriever") and recompute_ratio > 0 and positions is None:
+        if recompute_select in GUIDED_SELECT and recompute_ratio > 0 and positions is None:
             raise ValueError(f"{recompute_select}-guided recompute needs the chosen positions")
         if recompute_select == "first_k" and first_k < 0:
             raise ValueError(f"first_k must be >= 0, got {first_k}")
@@ -134,7 +135,7 @@ class Assembler:
         given = None
         if recompute_select == "first_k":
             given = first_k_positions([c.num_tokens for c in chunks], n_prefix, first_k)
-        elif recompute_select in ("source", "retriever"):
+        elif recompute_select in GUIDED_SELECT:
             given = (torch.unique(positions.to(torch.long)) if positions is not None
                      else torch.zeros(0, dtype=torch.long))
             if given.numel() and (given.min() < n_prefix or given.max() >= total):

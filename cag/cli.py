@@ -363,7 +363,8 @@ def query(
     top_k: Annotated[int, typer.Option("--top-k", min=1)] = 4,
     recompute: Annotated[float, typer.Option(help="Fraction of context tokens to recompute (CacheBlend).",
                                              min=0.0, max=1.0)] = 0.0,
-    recompute_select: Annotated[str, typer.Option(help="deviation, question, first_k, source or retriever "
+    recompute_select: Annotated[str, typer.Option(help="deviation, question, first_k, source, retriever, "
+                                                  "source_chunk or retriever_chunk "
                                                   "(see CachedContext.recompute_select).")] = "deviation",
     context_temperature: Annotated[float | None, typer.Option(
         help="APE: attention temperature over the placed context (default: the target's calibrated value on "
@@ -553,7 +554,9 @@ def eval_cmd(
     recompute_select: Annotated[str, typer.Option(help="Which tokens are recomputed: deviation (CacheBlend), "
                                                   "question (where the target's question attends), first_k "
                                                   "(EPIC), source (the store's source model's contrastive "
-                                                  "attention) or retriever (sentence embeddings).")] = "deviation",
+                                                  "attention), retriever (sentence embeddings), or "
+                                                  "source_chunk / retriever_chunk (whole chunks by the "
+                                                  "same scores: prefill the crux).")] = "deviation",
     dtype: Annotated[str | None, typer.Option(help="Storage format of the store built for the questions: "
                                               "int8 (default, as cag build), bfloat16 or float8_e4m3fn.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),

@@ -22,7 +22,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Generator, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -177,13 +177,20 @@ class CachedContext(BaseModel):
     top_k: int = Field(4, ge=1, description="Chunks retrieved per question.")
     recompute_ratio: float = Field(0.0, ge=0.0, le=1.0, description="CacheBlend: fraction of context "
                                    "tokens the target recomputes (0 = none, 1 = direct context).")
-    recompute_select: Literal["deviation", "question", "first_k", "source", "retriever"] = Field(
+    recompute_select: Literal["deviation", "question", "first_k", "source", "retriever", "source_chunk",
+                              "retriever_chunk"] = Field(
         "deviation", description="Which tokens are recomputed: 'deviation' (CacheBlend: K/V furthest from "
         "a fresh computation), 'question' (where the target's question attends over the placed cache), "
         "'first_k' (EPIC: the first recompute_first_k tokens of every chunk), 'source' (where the store's "
         "source model's contrastive question attention points, over its own chunks: for translated caches), "
-        "'retriever' (sentences closest to the question by embedding). See cag.selection.")
+        "'retriever' (sentences closest to the question by embedding); 'source_chunk' / 'retriever_chunk': "
+        "whole chunks by the same scores, while they fit in the ratio and at least one (prefill the crux). "
+        "See cag.selection.")
     recompute_first_k: int = Field(16, ge=0, description="Tokens per chunk for recompute_select='first_k'.")
+    translated_key_scale: float = Field(1.0, gt=0.0, le=1.0, description="Multiplies the keys of translated "
+                                        "chunks (never recomputed ones): below 1 their logits flatten, so "
+                                        "translated neighbours stop outdrawing a crux the target recomputed "
+                                        "(see README, 'Chunk repair'). 1 = the mapper's keys as they are.")
     context_temperature: float | None = Field(None, gt=0.0, description="APE: the question's attention logits "
                                               "over the placed context are divided by T (full-attention layers). "
                                               "None: the target's calibrated default on the native path "
@@ -389,6 +396,8 @@ class CachedContext(BaseModel):
         t0 = time.perf_counter()
         timings = Timings()
         notes: list[str] = []
+        from cag.assembler import GUIDED_SELECT  # loaded with the target by _ready
+
         hits = self._retrieved(question, hits, timings, t0)
         lm, mapper, asm = self._ready()
         if not hits:
@@ -398,11 +407,14 @@ class CachedContext(BaseModel):
         question_ids = asm.question_ids(question)
         reserve = question_ids.numel() + (max_new_tokens or self.max_new_tokens)
         chunks, used = self._fit_window(chunks, used, reserve, notes)
+        if mapper.method != "identity" and self.translated_key_scale != 1.0:
+            # A copy: the LRU keeps the mapper's own keys (rotation is linear, so scaling commutes with it).
+            chunks = [replace(c, keys=c.keys * self.translated_key_scale) for c in chunks]
         ratio, select = self.recompute_ratio, self.recompute_select
         if repair is not None:  # the gate's +repair path: recompute as it was measured
             ratio, select = float(repair["ratio"]), str(repair["select"])
         positions = None
-        if select in ("source", "retriever") and ratio > 0 and chunks:
+        if select in GUIDED_SELECT and ratio > 0 and chunks:
             t = time.perf_counter()
             positions = self._guided_positions(question, chunks, used, asm, ratio=ratio, select=select)
             timings.recompute += time.perf_counter() - t
@@ -514,12 +526,14 @@ class CachedContext(BaseModel):
         if select == "retriever":
             _, index = self._current_view()
             spans = selection.retriever_spans(index.embed, chunks, texts, question, budget)
+        elif select == "retriever_chunk":
+            spans = selection.retriever_chunks([h.score for h in used], chunks, texts, budget)
         else:
             manifest, _ = self._current_view()
             source_chunks = [KVChunk.from_bytes(self._chunks.get(h.key), expect_model=manifest.source_fingerprint)
                              for h in used]
-            spans = selection.source_guided_spans(self._source_assembler(), source_chunks, chunks, texts,
-                                                  question, budget)
+            choose = selection.source_guided_chunks if select == "source_chunk" else selection.source_guided_spans
+            spans = choose(self._source_assembler(), source_chunks, chunks, texts, question, budget)
         return selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
 
     def document_hits(self, doc_ids: list[str]) -> list[Any]:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from cag.assembler import GUIDED_SELECT
 from cag.context import CachedContext
 from cag.generate import generate, last_logits, stop_token_ids
 from eval import metrics
@@ -184,7 +185,7 @@ class ItemRunner:
         question_ids = asm.question_ids(item.question)
         base = self.base
         positions = None
-        if base.recompute_select in ("source", "retriever") and base.recompute_ratio > 0 and chunks:
+        if base.recompute_select in GUIDED_SELECT and base.recompute_ratio > 0 and chunks:
             # Chosen as a query would: the store's source model (or the retriever) over the same hits.
             positions = base._guided_positions(item.question, chunks, hits, asm)
         placed = asm.place(chunks, recompute_ratio=base.recompute_ratio, recompute_select=base.recompute_select,

@@ -104,7 +104,8 @@ def run(args) -> Path:
     done = _done(results_path)
     meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": host_info(), "dataset": args.dataset, "n": len(items), "source": args.source,
-            "settings": [label(*g) for g in grid], "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}
+            "settings": [label(*g) for g in grid], "top_k": args.top_k,
+            "translated_key_scale": args.translated_key_scale, "max_new_tokens": args.max_new_tokens}
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     total = len(items) * len(args.targets)
     with Progress("repair_ablation", total, unit="questions",
@@ -115,7 +116,7 @@ def run(args) -> Path:
             base = CachedContext(mapper="identity", **common)
             contexts = {}
             if args.method != "none":
-                ctx = CachedContext(mapper=args.method, **common)
+                ctx = CachedContext(mapper=args.method, translated_key_scale=args.translated_key_scale, **common)
                 contexts[ctx.active_mapper.method] = ctx
             runner = ItemRunner(base, contexts, max_new_tokens=args.max_new_tokens)
             for item in items:
@@ -257,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--selectors", nargs="+", default=[*SELECTORS, "first_k"])
     ap.add_argument("--first-k", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--translated-key-scale", type=float, default=1.0,
+                    help="CachedContext.translated_key_scale on the translated path")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "repair_ablation")

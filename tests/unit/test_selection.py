@@ -96,3 +96,39 @@ def test_source_guided_end_to_end_on_a_tiny_model(tiny):
     assert 0 < pos.numel() <= budget
     placed = asm.place(chunks, recompute_select="source", positions=pos)
     assert placed.recomputed_tokens == pos.numel()
+
+
+OTHER = "The harbour is quiet. Boats leave at dawn. Nobody counts them."
+
+
+def test_source_chunk_selector_takes_the_planted_chunk_whole():
+    chunk, other = fake_chunk(DOC), fake_chunk(OTHER)
+    second = selection.sentence_spans(DOC)[1]
+    planted = torch.tensor([j for j, (s, e) in enumerate(chunk.offsets.tolist()) if s >= second[0] and e <= second[1]])
+    fake = FakeAssembler(chunk, planted)  # recency bias points at `other`, placed last
+    spans = selection.source_guided_chunks(fake, [chunk, other], [chunk, other], [DOC, OTHER], "How many maps?",
+                                           budget_tokens=1)  # below one chunk: the best one is still taken
+    assert spans == [[(0, len(DOC))], []]
+    pos = selection.spans_to_positions([chunk, other], spans, n_prefix=2)
+    assert pos.tolist() == list(range(2, 2 + chunk.num_tokens))
+
+
+def test_whole_chunks_fill_the_budget_best_first_and_stop_at_the_first_misfit():
+    chunks = [fake_chunk(DOC), fake_chunk(OTHER), fake_chunk("Short one.")]
+    sizes = [c.num_tokens for c in chunks]
+    texts = [DOC, OTHER, "Short one."]
+    got = selection.retriever_chunks([0.2, 0.9, 0.5], chunks, texts, budget_tokens=sizes[1] + sizes[2])
+    assert got == [[], [(0, len(OTHER))], [(0, len("Short one."))]]
+    got = selection.retriever_chunks([0.2, 0.9, 0.5], chunks, texts, budget_tokens=sizes[1] + sizes[2] - 1)
+    assert got == [[], [(0, len(OTHER))], []]
+
+
+def test_source_chunk_end_to_end_on_a_tiny_model(tiny):
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    texts = [DOC, "Another chunk of text here. It says little."]
+    chunks = [tiny.prefill(t) for t in texts]
+    spans = selection.source_guided_chunks(asm, chunks, chunks, texts, "How many maps?", budget_tokens=1)
+    pos = selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
+    assert pos.numel() in (chunks[0].num_tokens, chunks[1].num_tokens)  # exactly one whole chunk
+    placed = asm.place(chunks, recompute_select="source_chunk", positions=pos)
+    assert placed.recomputed_tokens == pos.numel()
