@@ -111,21 +111,14 @@ def _choose(target_chunks, texts, sentence_scores, budget_tokens) -> list[list[t
     return out
 
 
-@torch.inference_mode()
-def source_guided_spans(source_assembler, source_chunks: Sequence[KVChunk], target_chunks: Sequence[KVChunk],
-                        texts: Sequence[str], question: str, budget_tokens: int) -> list[list[tuple[int, int]]]:
-    """Sentences the source model's contrastive question attention points at (see module doc).
-
-    `source_assembler` is an `Assembler` of the source model (its own layout and head);
-    `source_chunks` are the store's chunks as stored, `target_chunks` their translations
-    (for the budget, counted in target tokens).
-    """
+def _source_sentence_scores(source_assembler, source_chunks: Sequence[KVChunk], texts: Sequence[str],
+                            question: str) -> list[list[float]]:
+    """Per chunk, per sentence: the contrastive source attention of its strongest tokens."""
     q_ids = source_assembler.question_ids(question)
     n_ids = source_assembler.question_ids(NEUTRAL_QUESTION)
     contrast = (source_assembler.context_attention(source_chunks, q_ids)
                 - source_assembler.context_attention(source_chunks, n_ids))
-    n_prefix = source_assembler.prefix_ids.numel()
-    scores, start = [], n_prefix
+    scores, start = [], source_assembler.prefix_ids.numel()
     for chunk, text in zip(source_chunks, texts):
         token_score = contrast[start:start + chunk.num_tokens]
         start += chunk.num_tokens
@@ -135,6 +128,19 @@ def source_guided_spans(source_assembler, source_chunks: Sequence[KVChunk], targ
             vals = token_score[idx] if idx else torch.zeros(1)
             per_sentence.append(float(vals.topk(min(3, vals.numel())).values.mean()))
         scores.append(per_sentence)
+    return scores
+
+
+@torch.inference_mode()
+def source_guided_spans(source_assembler, source_chunks: Sequence[KVChunk], target_chunks: Sequence[KVChunk],
+                        texts: Sequence[str], question: str, budget_tokens: int) -> list[list[tuple[int, int]]]:
+    """Sentences the source model's contrastive question attention points at (see module doc).
+
+    `source_assembler` is an `Assembler` of the source model (its own layout and head);
+    `source_chunks` are the store's chunks as stored, `target_chunks` their translations
+    (for the budget, counted in target tokens).
+    """
+    scores = _source_sentence_scores(source_assembler, source_chunks, texts, question)
     return _choose(target_chunks, texts, scores, budget_tokens)
 
 
@@ -154,18 +160,8 @@ def _whole_chunks(target_chunks, texts, chunk_scores, budget_tokens) -> list[lis
 def source_guided_chunks(source_assembler, source_chunks: Sequence[KVChunk], target_chunks: Sequence[KVChunk],
                          texts: Sequence[str], question: str, budget_tokens: int) -> list[list[tuple[int, int]]]:
     """Whole chunks ranked by their best sentence's contrastive source attention."""
-    q_ids = source_assembler.question_ids(question)
-    n_ids = source_assembler.question_ids(NEUTRAL_QUESTION)
-    contrast = (source_assembler.context_attention(source_chunks, q_ids)
-                - source_assembler.context_attention(source_chunks, n_ids))
-    start, scores = source_assembler.prefix_ids.numel(), []
-    for chunk, text in zip(source_chunks, texts):
-        token_score = contrast[start:start + chunk.num_tokens]
-        start += chunk.num_tokens
-        best = [float(token_score[idx].topk(min(3, len(idx))).values.mean())
-                for idx in _token_sentences(chunk, sentence_spans(text)) if idx]
-        scores.append(max(best, default=float("-inf")))
-    return _whole_chunks(target_chunks, texts, scores, budget_tokens)
+    scores = _source_sentence_scores(source_assembler, source_chunks, texts, question)
+    return _whole_chunks(target_chunks, texts, [max(s, default=float("-inf")) for s in scores], budget_tokens)
 
 
 def retriever_chunks(hit_scores: Sequence[float], target_chunks: Sequence[KVChunk], texts: Sequence[str],

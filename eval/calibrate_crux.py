@@ -42,8 +42,7 @@ def measure(ctx: CachedContext, items, alpha: float, bar) -> dict:
             ans = ctx.answer(item.question)
         found.append(metrics.contains_answer(ans.text, item.answers))
         f1.append(metrics.token_f1(ans.text, item.answers))
-        top1_holds.append(float(bool(ans.sources) and any(
-            metrics.normalize_answer(a) in metrics.normalize_answer(ans.sources[0].text) for a in item.answers)))
+        top1_holds.append(metrics.contains_answer(ans.sources[0].text, item.answers) if ans.sources else 0.0)
         bar.advance(note=f"alpha {alpha}")
     n = len(items)
     return {"alpha": alpha, "n": n, "found": sum(found) / n, "f1": sum(f1) / n,

@@ -7,31 +7,14 @@ import pytest
 import torch
 
 from cag.context import CachedContext
-from cag.models import registry
-from mappers.fit import fit_mapper
-from stores.build import build_store
-from tests.mappers.conftest import TEXTS
-from tests.stores.test_build import HashEmbedder, doc
-from tests.unit.test_context import saved
+from tests.stores.test_build import HashEmbedder
+from tests.unit.test_router import kb  # noqa: F401  (the fixture, shared)
 
 QUESTION = "Zorblat maps?"
 
 
-@pytest.fixture(scope="module")
-def kb(tmp_path_factory):
-    """A tiny qwen2 store and a tiny llama target with a ridge mapper: a translated path."""
-    root = tmp_path_factory.mktemp("crux")
-    source, target = saved(root, "qwen2"), saved(root, "llama")
-    source_lm, target_lm = registry.load(str(source), "float32"), registry.load(str(target), "float32")
-    build_store([(f"doc{i}", doc(i, paragraphs=2)) for i in range(4)], root / "store", source_lm,
-                chunk_tokens=32, embedder=HashEmbedder())
-    fit_mapper(source_lm, target_lm, "ridge", TEXTS, root / "mapper", progress=False, fidelity_texts=2,
-               batch_size=4)
-    return root, target
-
-
 def ctx(kb, **kw):
-    root, target = kb
+    root, _, target = kb  # test_router's fixture: a tiny qwen2 store, a tiny llama target, a ridge mapper
     return CachedContext(store=root / "store", target=str(target), mapper=str(root / "mapper"),
                          embedder=HashEmbedder(), dtype="float32", max_new_tokens=4, top_k=3,
                          min_retention=0.0, translation_cache_mb=64, **kw)
@@ -68,8 +51,8 @@ def test_translated_key_scale_scales_translated_keys_only(kb):
 
 
 def test_translated_key_scale_leaves_the_native_path_alone(kb):
-    root, _ = kb
-    native = CachedContext(store=root / "store", target=str(root / "qwen2-0"), embedder=HashEmbedder(),
+    root, small, _ = kb
+    native = CachedContext(store=root / "store", target=str(small), embedder=HashEmbedder(),
                            dtype="float32", max_new_tokens=4, top_k=3, min_retention=0.0)
     k1, *_ = placed_keys(native)
     native.translated_key_scale = 0.5
