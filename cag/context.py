@@ -315,8 +315,9 @@ class CachedContext(BaseModel):
             if self.recompute_ratio > 0:
                 # The caller chose a recompute: the gate judges the path as configured, and a
                 # +repair record only speaks for the setting it was measured with.
+                scale = 1.0 if mapper.method == "identity" else self.translated_key_scale
                 candidates = [c for c in candidates if not c.path.endswith("+repair")
-                              or (c.repair or {}) == {"ratio": self.recompute_ratio, "select": self.recompute_select}]
+                              or c.repair_matches(self.recompute_ratio, self.recompute_select, scale)]
             decision = choose_path(candidates, self.min_retention, self.fallback)
             self._decision = (source.id, decision)
             return decision
@@ -390,8 +391,9 @@ class CachedContext(BaseModel):
         Returns the placed cache and the question's ids; `stream` prefills the
         question against it and decodes. The evaluation harness uses this too, so
         every condition it measures goes through the same path as a query.
-        `repair` (``{"ratio", "select"}``) overrides the recompute settings: the gate's
-        ``+repair`` paths pass what they were measured with.
+        `repair` (``{"ratio", "select"}``, optionally ``"translated_key_scale"``) overrides the
+        recompute settings and the key scale: the gate's ``+repair`` paths pass what they were
+        measured with.
         """
         t0 = time.perf_counter()
         timings = Timings()
@@ -407,12 +409,13 @@ class CachedContext(BaseModel):
         question_ids = asm.question_ids(question)
         reserve = question_ids.numel() + (max_new_tokens or self.max_new_tokens)
         chunks, used = self._fit_window(chunks, used, reserve, notes)
-        if mapper.method != "identity" and self.translated_key_scale != 1.0:
-            # A copy: the LRU keeps the mapper's own keys (rotation is linear, so scaling commutes with it).
-            chunks = [replace(c, keys=c.keys * self.translated_key_scale) for c in chunks]
-        ratio, select = self.recompute_ratio, self.recompute_select
-        if repair is not None:  # the gate's +repair path: recompute as it was measured
+        ratio, select, key_scale = self.recompute_ratio, self.recompute_select, self.translated_key_scale
+        if repair is not None:  # the gate's +repair path: recompute and scale as it was measured
             ratio, select = float(repair["ratio"]), str(repair["select"])
+            key_scale = float(repair.get("translated_key_scale", 1.0))
+        if mapper.method != "identity" and key_scale != 1.0:
+            # A copy: the LRU keeps the mapper's own keys (rotation is linear, so scaling commutes with it).
+            chunks = [replace(c, keys=c.keys * key_scale) for c in chunks]
         positions = None
         if select in GUIDED_SELECT and ratio > 0 and chunks:
             t = time.perf_counter()

@@ -9,7 +9,8 @@ path                   what the target does
 ``native+repair``      the same, then recomputes the crux (a share of the context
                        tokens chosen by `cag.selection`, as measured)
 ``translated``         places the store's chunks translated by a mapper
-``translated+repair``  the same, then recomputes the crux the *source* model picks
+``translated+repair``  the same, then recomputes the crux (chosen by the source
+                       model or the retriever), translated keys scaled as measured
 ``direct``             prefills the retrieved text itself (the reference; no speedup)
 =====================  ==========================================================
 
@@ -64,7 +65,9 @@ class PathFidelity:
     items: str = ""  # which calibration items (dataset name and seed)
     recorded_in: str = ""  # the card or file the figures come from
     method: str = ""  # the mapper method of a translated path
-    repair: dict | None = None  # for a +repair path: {"ratio": r, "select": selector} it was measured with
+    # For a +repair path, the settings it was measured with: {"ratio": r, "select": selector}, and on a
+    # translated path "translated_key_scale" (absent: 1). A record speaks only for those settings.
+    repair: dict | None = None
 
     @classmethod
     def from_record(cls, path: str, record: dict[str, Any] | None, *, recorded_in: str,
@@ -78,6 +81,12 @@ class PathFidelity:
         return cls(path, num("found_retention"), num("f1_retention"), num("found_rate"),
                    num("direct_found_rate"), num("no_context_found_rate"), int(record.get("n") or 0),
                    str(record.get("items", "")), recorded_in, method, dict(repair) if repair else None)
+
+    def repair_matches(self, ratio: float, select: str, translated_key_scale: float = 1.0) -> bool:
+        """Whether this +repair record was measured with these settings."""
+        rec = self.repair or {}
+        return (rec.get("ratio"), rec.get("select"), float(rec.get("translated_key_scale", 1.0))) == \
+            (ratio, select, float(translated_key_scale))
 
     @property
     def measured(self) -> bool:

@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repair", type=float, default=0.0, help="measure the +repair paths: recompute this share "
                     "of context tokens, chosen by --repair-select")
     ap.add_argument("--repair-select", default="source")
+    ap.add_argument("--translated-key-scale", type=float, default=1.0, help="with --repair: the translated "
+                    "paths' CachedContext.translated_key_scale (the crux path), recorded with their +repair record")
     args = ap.parse_args(argv)
     items = calibration_lookup(seed=args.seed)[: args.n]
     items_name = f"{DATASET} seed {args.seed}, first {len(items)}"
@@ -81,12 +83,16 @@ def main(argv=None) -> int:
         out = args.out / f"source-{source}"
         store = None
         repair = {"ratio": args.repair, "select": args.repair_select} if args.repair else None
-        if repair:  # the same store and items as the plain run, recomputing the crux
-            store, out = out / "store", args.out / f"source-{source}-repair{args.repair:g}-{args.repair_select}"
+        scale = args.translated_key_scale if repair else 1.0
+        tag = f"repair{args.repair:g}-{args.repair_select}" + (f"-ks{scale:g}" if scale != 1.0 else "")
+        if repair:  # the same store and items as the plain run (rebuilt when absent), recomputing the crux
+            store = out / "store" if (out / "store").is_dir() else None
+            out = args.out / f"source-{source}-{tag}"
         print(f"gate_fidelity: {source} → {', '.join(targets)} ({len(items)} items) in {out}", file=sys.stderr)
         run_eval(items, out, store=store, source=source, targets=targets, methods=args.methods,
                  max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
-                 recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation")
+                 recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
+                 translated_key_scale=scale)
         wanted = {item.id for item in items}  # a resumed folder may hold more items than this run's
         rows = [row for line in (out / RESULTS).read_text().splitlines() if line.strip()
                 for row in [json.loads(line)] if row["item"] in wanted]
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
                     continue  # a resumed folder from a run that measured other methods
                 rec = {"method": mapper.method, **path_record(mine, cond, items_name)}
                 if repair:
-                    rec["repair"] = repair
+                    rec["repair"] = {**repair, **({"translated_key_scale": scale} if scale != 1.0 else {})}
                 report.append({"source": source, "target": target,
                                "path": "translated" + ("+repair" if repair else ""), **rec})
                 for folder, card in cards.values():
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
         for section, records in native.items():
             current.setdefault(section, {}).update(records)
         native_path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
-    name = f"gate-repair{args.repair:g}-{args.repair_select}" if args.repair else "gate"
+    name = f"gate-{tag}" if args.repair else "gate"
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# Lookup fidelity of each serving path (what the quality gate reads)", "",
              f"`{' '.join(['python', *sys.argv])}`, {time.strftime('%Y-%m-%d')}, calibration items only "

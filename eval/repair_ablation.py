@@ -48,6 +48,9 @@ from eval.run import build_eval_store  # noqa: E402
 # eval/results/eval-recompute-question measured it; pass --selectors question to add it.
 SELECTORS = ("deviation", "source", "retriever")
 NO_REPAIR = ("none", 0.0)
+# The crux path's fair baseline: the retriever's top chunk alone, prefilled as text. It costs
+# about what recomputing that chunk costs, with no translation and no neighbours.
+DIRECT_TOP1 = "direct_top1"
 
 
 def settings(ratios, selectors, first_k: int) -> list[tuple[str, float]]:
@@ -91,6 +94,11 @@ def _done(path: Path) -> set[tuple[str, str]]:
     return done
 
 
+def _holds(hits, answers) -> bool:
+    text = ds.normalize_ws(" ".join(h.text for h in hits)).lower()
+    return any(ds.normalize_ws(a).lower() in text for a in answers)
+
+
 def run(args) -> Path:
     items = load_items(args.dataset, args.limit)
     out = args.out / args.dataset
@@ -129,6 +137,9 @@ def run(args) -> Path:
                     warnings.simplefilter("ignore")
                     hits = runner.hits_for(item)
                     text = runner.text_runs(item, hits)
+                    text[DIRECT_TOP1] = runner._text_run(item, hits[:1], with_context=True)
+                    # Was retrieval right? Whether an answer string lies in the top chunk, in any hit.
+                    row["answer_in"] = {"top_chunk": _holds(hits[:1], item.answers), "hits": _holds(hits, item.answers)}
                     reference = runner.teacher_forced(text[DIRECT], runner.gold_ids(item.answers[0]))
                     row["text"] = {k: v.to_dict() for k, v in runner.score(item, text, reference).items()}
                     for select, ratio in grid:
@@ -164,6 +175,8 @@ def summarize(out: Path) -> dict:
         dc_f1, dc_found = [d["f1"] for d in direct], [d["found"] for d in direct]
         dc_ttft = float(np.median([d["ttft_s"] for d in direct]))
         base_rows = [(NO_CONTEXT, "–", [r["text"][NO_CONTEXT] for r in group]), (DIRECT, "–", direct)]
+        if all(DIRECT_TOP1 in r["text"] for r in group):  # runs before 2026-12-03 lack it
+            base_rows.append((DIRECT_TOP1, "–", [r["text"][DIRECT_TOP1] for r in group]))
         paths = sorted({c for r in group for s in r["settings"].values() for c in s})
         cells = list(base_rows)
         for setting in meta["settings"]:
@@ -183,7 +196,9 @@ def summarize(out: Path) -> dict:
                           "recomputed_share": float(np.mean(share)) if share else 0.0,
                           "context_tokens": float(np.mean([x["context_tokens"] for x in xs]))})
     ape = {r["target"]: r.get("ape") for r in rows}
-    return {"run": meta, "ape": ape, "table": table}
+    retrieval = {t: {k: float(np.mean([r["answer_in"][k] for r in g])) for k in ("top_chunk", "hits")}
+                 for t, g in by_target.items() if all("answer_in" in r for r in g)}
+    return {"run": meta, "ape": ape, "retrieval": retrieval, "table": table}
 
 
 def render(summary: dict) -> str:
@@ -197,6 +212,10 @@ def render(summary: dict) -> str:
               "(direct: the prefill of the text); speedup = direct context's median TTFT over the setting's.", ""]
     for target, ape in summary["ape"].items():
         lines.append(f"APE (T, S) as served, {target}: {ape}")
+    for target, r in summary.get("retrieval", {}).items():
+        lines.append(f"Retrieval, {target}: an answer string lies in the top chunk for {r['top_chunk']:.0%} of "
+                     f"questions, in the top-{run['top_k']} for {r['hits']:.0%}. `{DIRECT_TOP1}`: the top chunk "
+                     "alone, prefilled as text (the crux path's fair baseline).")
     lines += ["", "| target | path | repair | n | F1 | F1 retention | found | found retention | KL(DC‖X) | "
               "recomputed | TTFT s | speedup vs direct |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary["table"]:

@@ -87,12 +87,16 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
              targets: Sequence[str] = ("qwen2.5-0.5b", "gemma3-270m"), methods: Sequence[str] = ("auto",),
              top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
              recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "",
-             progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str | None = None) -> dict[str, Any]:
+             progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str | None = None,
+             translated_key_scale: float = 1.0) -> dict[str, Any]:
     """Every condition on every (question, target) not yet in ``out_dir/results.jsonl``; the summary.
 
     `dtype`: the storage format of the store built for the questions (its chunks, and the
     target's own chunks written through it; None: `cag build`'s default); a given `store`
     keeps its own.
+
+    `translated_key_scale`: `CachedContext.translated_key_scale` of the translated
+    conditions (the crux path; the native condition is never scaled).
 
     `progress`: report on stderr (`cag.progress.Progress`: a bar on a terminal,
     plain lines elsewhere). Each target's prefill rate is measured in this run
@@ -129,7 +133,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                         f"({rates[target]['prefill_tokens']} tokens)")
             contexts: dict[str, CachedContext] = {}
             for method in methods:
-                ctx = CachedContext(mapper=method, **settings)
+                ctx = CachedContext(mapper=method, translated_key_scale=translated_key_scale, **settings)
                 try:
                     label = ctx.active_mapper.method
                 except (MapperNotFoundError, ValueError) as exc:
@@ -162,6 +166,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "prefill": rates, "source": source,
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
                       "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
+                      "translated_key_scale": translated_key_scale,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens,
                       "dtype": dtype if built else _store_dtype(store)}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))

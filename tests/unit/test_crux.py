@@ -63,3 +63,14 @@ def test_translated_key_scale_leaves_the_native_path_alone(kb):
 def test_translated_key_scale_is_validated():
     with pytest.raises(ValueError):
         CachedContext(store="x", translated_key_scale=0.0)
+
+
+def test_the_gates_repair_setting_brings_its_own_key_scale(kb):
+    # The gate serves a +repair record as measured: a context left at scale 1 places the crux
+    # path with the record's scale, exactly as a context configured with it.
+    configured = ctx(kb, recompute_select="retriever_chunk", recompute_ratio=0.01, translated_key_scale=0.5)
+    k1, *_ = placed_keys(configured)
+    plain = ctx(kb)
+    p = plain.prepare(QUESTION, repair={"ratio": 0.01, "select": "retriever_chunk", "translated_key_scale": 0.5})
+    torch.testing.assert_close(torch.stack([layer.keys[0] for layer in p.cache.layers]), k1)
+    assert p.answer.path == "translated+repair"

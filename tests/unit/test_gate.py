@@ -71,3 +71,13 @@ def test_repair_path_is_next_and_carries_its_setting():
               "repair": {"ratio": 0.2, "select": "source"}}
     card = {"method": "heterofold", "fidelity": {"lookup_repair": record}}
     assert gate.translated_fidelity(card, "x", repair=True).repair == {"ratio": 0.2, "select": "source"}
+
+
+def test_a_repair_record_speaks_only_for_its_own_settings_key_scale_included():
+    crux = PathFidelity("translated+repair", repair={"ratio": 0.25, "select": "retriever_chunk",
+                                                     "translated_key_scale": 0.3})
+    assert crux.repair_matches(0.25, "retriever_chunk", 0.3)
+    assert not crux.repair_matches(0.25, "retriever_chunk", 1.0)  # the unscaled path was not measured
+    assert not crux.repair_matches(0.2, "retriever_chunk", 0.3)
+    older = PathFidelity("translated+repair", repair={"ratio": 0.2, "select": "source"})  # no scale: 1
+    assert older.repair_matches(0.2, "source") and not older.repair_matches(0.2, "source", 0.3)

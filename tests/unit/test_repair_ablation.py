@@ -42,3 +42,20 @@ def test_summary_pairs_every_setting_with_direct_context_on_the_same_questions(t
     assert cells[("no_context", "–")]["f1"] == 0.0
     text = render(summary)
     assert "| t | native_cache | source 20% | 2 | 1.00 |" in text and "[0.9, 1.0]" in text
+
+
+def test_the_top_chunk_baseline_and_retrieval_rates_are_reported_when_every_row_has_them(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"command": "c", "date": "d", "host": {}, "dataset": "kb", "n": 2,
+                                                   "source": "s", "settings": ["none"], "top_k": 4,
+                                                   "max_new_tokens": 16}))
+    rows = [{"item": f"q{i}", "target": "t", "ape": {}, "answer_in": {"top_chunk": top, "hits": True},
+             "text": {"no_context": _result(0.0, 3.0, 0.1), "direct": _result(1.0, None, 4.0),
+                      "direct_top1": _result(f1, 0.2, 1.0)},
+             "settings": {"none": {"native_cache": _result(1.0, 0.5, 0.5)}}}
+            for i, (top, f1) in enumerate(((True, 1.0), (False, 0.0)))]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = summarize(tmp_path)
+    top1 = {e["path"]: e for e in summary["table"]}["direct_top1"]
+    assert top1["f1_retention"]["value"] == pytest.approx(0.5) and top1["speedup_vs_direct"] == pytest.approx(4.0)
+    assert summary["retrieval"] == {"t": {"top_chunk": 0.5, "hits": 1.0}}
+    assert "in the top chunk for 50% of questions, in the top-4 for 100%" in render(summary)
