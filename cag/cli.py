@@ -628,6 +628,9 @@ def bench_cmd(
     methods: Annotated[list[str] | None, typer.Option("--methods", help="Mapper methods (repeatable).")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Interleaved repeats after one warm-up.")] = 3,
     out_dir: Annotated[Path, typer.Option("--out", help="Where ttft.json/.md/.png go.")] = Path("eval/results"),
+    crux: Annotated[float | None, typer.Option(help="Also time the crux path: each translated path with its best "
+                                               "chunk recomputed and the others' keys scaled by this.",
+                                               min=0.0, max=1.0, show_default=False)] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """TTFT: direct context vs native cache vs translated cache at 1K-8K context tokens."""
@@ -637,6 +640,7 @@ def bench_cmd(
     argv += ["--targets", *(targets or ["qwen2.5-0.5b", "gemma3-270m"])]
     argv += ["--lengths", *map(str, lengths or [1024, 2048, 4096, 8192])]
     argv += ["--methods", *(methods or ["auto"])]
+    argv += ["--crux", str(crux)] if crux is not None else []
     raise typer.Exit(bench_main(argv + (["--json"] if as_json else [])))
 
 

@@ -5,7 +5,12 @@ For each target and context length (1K, 2K, 4K, 8K target tokens of essay text):
 - ``direct``: the target prefills the context text and the question;
 - ``native_cache``: the same text stored as the target's own chunk caches
   (a store built by the target), loaded, placed, question prefilled;
-- ``cache:<method>``: the text stored by the source model, translated by a mapper.
+- ``cache:<method>``: the text stored by the source model, translated by a mapper;
+- ``cache:<method>+crux`` (``--crux``): the same, with the best chunk recomputed whole by
+  the target and the translated neighbours' keys scaled ("translate the bulk, prefill the
+  crux": `recompute_select="retriever_chunk"`, one chunk, `translated_key_scale`). The
+  bench's context is one document, so every chunk scores the same and the first is the
+  crux; its cost is one chunk's prefill against what precedes it, whichever chunk it is.
 
 Every condition takes the whole query path: an index search, chunk loads from
 disk, translation, assembly, the question prefill and the choice of the first
@@ -98,10 +103,11 @@ def floor_once(lm, placed: DynamicCache, question_ids: torch.Tensor) -> float:
 
 def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: list[str], repeats: int,
               work_dir: Path, chunk_tokens: int = 256, log=print, progress: Progress | None = None,
-              prefill_rate_tokens: int = 1024) -> dict:
+              prefill_rate_tokens: int = 1024, crux_key_scale: float | None = None) -> dict:
     """Rows per (target, length, condition), the cached paths' breakdowns, the host and prefill rates.
 
     `progress` advances once per round (one repeat of every condition at one length).
+    `crux_key_scale`: also time each translated path with its crux recomputed (``+crux``).
     """
     from stores.build import build_store
 
@@ -136,6 +142,12 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                     contexts[f"cache:{ctx.active_mapper.method}"] = ctx
                 except (MapperNotFoundError, ValueError) as exc:
                     log(f"{target}: no {method} mapper from {source}: {exc}".splitlines()[0][:160])
+                    continue
+                if crux_key_scale is not None:  # a ratio below one chunk's share: exactly one chunk, whole
+                    contexts[f"cache:{ctx.active_mapper.method}+crux"] = CachedContext(
+                        store=source_store, target=target, mapper=method, translation_cache_mb=0, max_new_tokens=1,
+                        min_retention=0.0, recompute_select="retriever_chunk", recompute_ratio=1e-3,
+                        translated_key_scale=crux_key_scale)
         reference = contexts["native_cache"]
         lm, asm = reference.target_model, reference.assembler  # the model every path answers with
         note(f"{target}: measuring its prefill rate")
@@ -217,12 +229,13 @@ def render_markdown(report: dict) -> str:
         by.setdefault((b["target"], b["length"], b["condition"]), []).append(b["breakdown"])
     if by:
         lines += ["", "Breakdown of the cached paths (medians, seconds):", "",
-                  "| target | length | condition | load | translate | assemble | question prefill | first token |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| target | length | condition | load | translate | assemble | recompute | question prefill | "
+                  "first token |", "|---|---|---|---|---|---|---|---|---|"]
         for (target, n, cond), items in by.items():
-            med = {k: statistics.median(i[k] for i in items) for k in items[0]}
+            med = {k: statistics.median(i.get(k, 0.0) for i in items) for k in items[0]}
             lines.append(f"| {target} | {n} | {cond} | {med['load']:.3f} | {med['translate']:.3f} | "
-                         f"{med['assemble']:.3f} | {med['question_prefill']:.3f} | {med['first_token']:.3f} |")
+                         f"{med['assemble']:.3f} | {med.get('recompute', 0.0):.3f} | {med['question_prefill']:.3f} | "
+                         f"{med['first_token']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     parser.add_argument("--methods", nargs="+", default=["auto"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--crux", type=float, default=None, metavar="KEY_SCALE",
+                        help="also time each translated path with its best chunk recomputed and the other chunks' "
+                             "keys scaled by KEY_SCALE (the crux path; README, 'Chunk repair')")
+    parser.add_argument("--out", dest="out", type=Path, default=Path("eval/results"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     args = parser.parse_args(argv)
     started = time.time()
@@ -268,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cag-bench-") as tmp, \
             Progress("cag bench", rounds, unit="rounds") as bar:
         report = run_bench(source=args.source, targets=args.targets, lengths=args.lengths, methods=args.methods,
-                           repeats=args.repeats, work_dir=Path(tmp), progress=bar)
+                           repeats=args.repeats, work_dir=Path(tmp), progress=bar, crux_key_scale=args.crux)
     report["run"] = {"command": "cag bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.platform()}, "
                      f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -76,12 +76,25 @@ def main(argv=None) -> int:
             best = max(rows, key=lambda r: (r["found"], r["alpha"]))
             result["targets"][target] = {"mapper": ctx.active_mapper.method, "rows": rows, "chosen": best["alpha"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    path = args.out.with_suffix(".json")
+    # Other targets' calibrations stay: each run replaces only its own targets, with its command and date.
+    for target in result["targets"]:
+        result["targets"][target].update(command=result["command"], date=result["date"], host=result["host"])
+    if path.is_file():
+        earlier = json.loads(path.read_text())
+        for target, t in earlier.get("targets", {}).items():
+            if target not in result["targets"]:
+                for key in ("command", "date", "host"):
+                    t.setdefault(key, earlier[key])
+                result["targets"][target] = t
+    path.write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# Translated key scale for the crux path, chosen on calibration lookups", "",
-             f"Command: `{result['command']}`  ", f"Date: {result['date']}; {host_line(result['host'], {})}", "",
              f"{args.limit} calib-lookup items (seed 2), SmolLM2 store, top-4 chunks of 256 tokens; the retriever's "
-             "best chunk recomputed by the target, the other chunks translated with their keys × alpha.", "",
-             "| target | mapper | alpha | found | F1 | retriever's top chunk holds the answer |", "|---|---|---|---|---|---|"]
+             "best chunk recomputed by the target, the other chunks translated with their keys × alpha.", ""]
+    for target, t in result["targets"].items():
+        lines.append(f"- {target}: `{t['command']}`, {t['date']}; {host_line(t['host'], {})}")
+    lines += ["", "| target | mapper | alpha | found | F1 | retriever's top chunk holds the answer |",
+              "|---|---|---|---|---|---|"]
     for target, t in result["targets"].items():
         for r in t["rows"]:
             mark = " **(chosen)**" if r["alpha"] == t["chosen"] else ""
