@@ -48,6 +48,9 @@ err = Console(stderr=True)
 Names = Annotated[list[str] | None, typer.Argument(help="Short names (default: all).",
                                                     show_default=False)]
 JsonFlag = Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")]
+TranslatedKeyScale = Annotated[float, typer.Option(
+    help="Multiplies translated chunks' keys before placement (0 < a <= 1; with a whole-chunk recompute, "
+         "the crux path: README, 'Chunk repair'). 1 = the mapper's keys as they are.", min=0.0, max=1.0)]
 
 
 def _fail(message: str) -> typer.Exit:
@@ -366,10 +369,7 @@ def query(
     recompute_select: Annotated[str, typer.Option(help="deviation, question, first_k, source, retriever, "
                                                   "source_chunk or retriever_chunk "
                                                   "(see CachedContext.recompute_select).")] = "deviation",
-    translated_key_scale: Annotated[float, typer.Option(
-        help="Multiplies translated chunks' keys before placement (0 < a <= 1; with a whole-chunk recompute, "
-             "the crux path: README, 'Chunk repair'). 1 = the mapper's keys as they are.",
-        min=0.0, max=1.0)] = 1.0,
+    translated_key_scale: TranslatedKeyScale = 1.0,
     context_temperature: Annotated[float | None, typer.Option(
         help="APE: attention temperature over the placed context (default: the target's calibrated value on "
              "the native path, 1 on a translated one).", min=0.0, show_default=False)] = None,
@@ -561,10 +561,7 @@ def eval_cmd(
                                                   "attention), retriever (sentence embeddings), or "
                                                   "source_chunk / retriever_chunk (whole chunks by the "
                                                   "same scores: prefill the crux).")] = "deviation",
-    translated_key_scale: Annotated[float, typer.Option(
-        help="Multiplies translated chunks' keys before placement (0 < a <= 1; with a whole-chunk recompute, "
-             "the crux path: README, 'Chunk repair'). 1 = the mapper's keys as they are.",
-        min=0.0, max=1.0)] = 1.0,
+    translated_key_scale: TranslatedKeyScale = 1.0,
     dtype: Annotated[str | None, typer.Option(help="Storage format of the store built for the questions: "
                                               "int8 (default, as cag build), bfloat16 or float8_e4m3fn.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),

@@ -232,9 +232,9 @@ def render_markdown(report: dict) -> str:
                   "| target | length | condition | load | translate | assemble | recompute | question prefill | "
                   "first token |", "|---|---|---|---|---|---|---|---|---|"]
         for (target, n, cond), items in by.items():
-            med = {k: statistics.median(i.get(k, 0.0) for i in items) for k in items[0]}
+            med = {k: statistics.median(i[k] for i in items) for k in items[0]}
             lines.append(f"| {target} | {n} | {cond} | {med['load']:.3f} | {med['translate']:.3f} | "
-                         f"{med['assemble']:.3f} | {med.get('recompute', 0.0):.3f} | {med['question_prefill']:.3f} | "
+                         f"{med['assemble']:.3f} | {med['recompute']:.3f} | {med['question_prefill']:.3f} | "
                          f"{med['first_token']:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crux", type=float, default=None, metavar="KEY_SCALE",
                         help="also time each translated path with its best chunk recomputed and the other chunks' "
                              "keys scaled by KEY_SCALE (the crux path; README, 'Chunk repair')")
-    parser.add_argument("--out", dest="out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     args = parser.parse_args(argv)
     started = time.time()
