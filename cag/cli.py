@@ -4,7 +4,9 @@
     cag models install [NAMES...]
     cag models verify [NAMES...] [--json]
     cag build CORPUS --store DIR [--source MODEL] [--chunk-tokens N] [--batch N] [--ray local|ADDRESS] [--json]
+    cag build CORPUS --store DIR --translate-for TARGET ...      (and keep the chunks translated for TARGET)
     cag store stats|verify|gc DIR [--json]
+    cag store translate DIR --target MODEL [--mapper M] [--dtype D] [--json]
     cag query "QUESTION" --store DIR [--target MODEL] [--mapper M] [--top-k K] [--recompute R] [--direct] [--json]
     cag fit --source A --target B --method ridge|latent|heterofold|mot [--tokens N] [--set K=JSON] [--out DIR]
     cag mappers list [--json]
@@ -214,6 +216,10 @@ def build(
     ray_address: Annotated[str | None, typer.Option(
         "--ray", help="Prefill on Ray workers: 'local' (2 CPUs here) or a cluster address "
                       "(host:6379, ray://host:10001). Needs: pip install \"cag[ray]\".", show_default=False)] = None,
+    translate_for: Annotated[list[str] | None, typer.Option(
+        "--translate-for", help="After the build, translate the store's new chunks for this target with its "
+                                "`auto` mapper (repeatable; `cag store translate` for other mappers).",
+        show_default=False)] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Prefill new and changed documents of CORPUS into the store, incrementally."""
@@ -239,6 +245,8 @@ def build(
     except (StoreError, registry.ModelError, ValueError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
     row = summary.to_dict()
+    if translate_for:
+        row["translations"] = [_translate_into(store, t, "auto", None) for t in translate_for]
     if as_json:
         print(json.dumps(row), flush=True)
     else:
@@ -246,8 +254,11 @@ def build(
         table.add_column("figure")
         table.add_column("value", overflow="fold")
         for key, value in row.items():
-            if key != "failed":
+            if key not in ("failed", "translations"):
                 table.add_row(key, _fmt(value))
+        for t in row.get("translations", []):
+            table.add_row(f"translated for {t['target']}", f"{t['translated']} new, {t['present']} kept "
+                          f"({t['mapper']}, {t['bytes_per_token']:,.0f} bytes/token, {t['seconds']:.1f} s)")
         out.print(table)
     for failure in summary.failed:
         err.print(f"[yellow]skipped[/] {failure['doc_id']}: {failure['error']}", highlight=False, soft_wrap=True)
@@ -258,38 +269,24 @@ def build(
 def _open_store(path: str):
     """The store at `path` (a folder or a URL, `stores.location`), its manifest and its index."""
     from stores.errors import StoreError
+    from stores.index import RowsOnlyEmbedder
     from stores.location import open_store
 
     try:
         location = open_store(path)
         if not location.exists():
             raise _fail(f"no store at {path}")
-        return (location, *location.open_current(embedder=_NoEmbedder.for_store(location)))
+        if location.current_version() is None:
+            raise _fail(f"no store version published in {location}")
+        return (location, *location.open_current(embedder=RowsOnlyEmbedder.for_store(location)))
     except (FileNotFoundError, StoreError, ValueError) as e:
         raise _fail(str(e)) from None
 
 
-class _NoEmbedder:
-    """Stands in for the embedder when a command only reads a store's rows."""
-
-    def __init__(self, embedder_id: str, dim: int | None) -> None:
-        self.id, self.dim = embedder_id, dim
-
-    def __call__(self, texts):
-        raise RuntimeError("this command does not embed")
-
-    @classmethod
-    def for_store(cls, location) -> "_NoEmbedder":
-        number = location.current_version()
-        if number is None:
-            raise _fail(f"no store version published in {location}")
-        info = location.index_info(number)
-        return cls(info["embedder_id"], info["dim"])
-
-
 @store_app.command("stats")
 def store_stats(path: StoreDir, as_json: JsonFlag = False) -> None:
-    """Documents, chunks, tokens and bytes of the published store version."""
+    """Documents, chunks, tokens and bytes of the published store version (bytes: every entry on disk,
+    stored translations included), and which translations are stored."""
     location, manifest, index = _open_store(path)
     with location.chunks() as chunks:
         st = chunks.stats()
@@ -304,6 +301,7 @@ def store_stats(path: StoreDir, as_json: JsonFlag = False) -> None:
         "bytes_per_token": round(st.bytes / tokens, 1) if tokens else 0.0,
         "chunk_tokens": manifest.chunker.get("chunk_tokens"), "dtype": manifest.chunker.get("dtype"),
         "embedder": manifest.embedder_id,
+        "translations": _translation_groups(location),
     }
     if as_json:
         print(json.dumps(row), flush=True)
@@ -314,6 +312,70 @@ def store_stats(path: StoreDir, as_json: JsonFlag = False) -> None:
     for key, value in row.items():
         table.add_row(key, _fmt(value))
     out.print(table)
+
+
+def _translation_groups(location) -> list[dict[str, Any]]:
+    """Stored translations (`stores.translations`) by mapper and target, from one frame's metadata each."""
+    from cag.kv import ChunkError, read_metadata
+    from stores.translations import is_translation_key
+
+    groups: dict[str, list[str]] = {}
+    with location.chunks() as chunks:
+        for key in chunks.keys():
+            if is_translation_key(key):
+                groups.setdefault(key.split("~", 1)[1], []).append(key)
+        rows = []
+        for suffix, keys in sorted(groups.items()):
+            try:
+                meta = read_metadata(chunks.get(keys[0]) or b"")
+                made = (meta.get("settings") or {}).get("translated") or {}
+                target = (meta.get("model") or {}).get("name")
+            except ChunkError:  # `cag store verify` names it; a listing only counts
+                made, target = {}, None
+            rows.append({"target": target, "method": made.get("method"), "mapper_id": made.get("mapper"),
+                         "chunks": len(keys), "dtype": meta.get("dtype") if made else None})
+    return rows
+
+
+@store_app.command("translate")
+def store_translate(
+    path: StoreDir,
+    target: Annotated[str, typer.Option(help="The model the translations are for: short name, folder or HF id.")],
+    mapper: Annotated[str, typer.Option(help="auto (the gate's best for the pair), a method name or an "
+                                             "artifact folder: what the queries' CachedContext(mapper=...) "
+                                             "will use.")] = "auto",
+    dtype: Annotated[str | None, typer.Option(help="Storage format of the translations (default: the "
+                                                   "store's own chunk format).", show_default=False)] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Translate the store's chunks for TARGET once and keep them, so queries load them instead of
+    translating (README, "Stored translations"). A re-run translates only what is new."""
+    _open_store(path)  # a missing or unpublished store fails here, clearly
+    row = _translate_into(path, target, mapper, dtype)
+    if as_json:
+        print(json.dumps(row), flush=True)
+    else:
+        out.print(f"translated {row['translated']} chunk(s) of {path} for {row['target']} with {row['mapper']} "
+                  f"({row['present']} already stored, {len(row['failed'])} failed): "
+                  f"{row['tokens']:,} tokens in {row['seconds']:.1f} s, {row['bytes_per_token']:,.0f} bytes/token")
+    for failure in row["failed"]:
+        err.print(f"[yellow]skipped[/] {failure['key']}: {failure['error']}", highlight=False, soft_wrap=True)
+
+
+def _translate_into(store: str, target: str, mapper: str, dtype: str | None) -> dict[str, Any]:
+    from cag.mapping import MapperNotFoundError
+    from cag.progress import Progress
+    from cag.store_translation import translate_store
+    from stores.errors import StoreError
+
+    try:
+        with err.status(f"loading {target}…"):
+            lm = registry.load(target, "auto")
+        with Progress(f"cag store translate ({lm.name})", unit="chunks") as bar:
+            summary = translate_store(store, lm, mapper=mapper, dtype=dtype, progress=bar)
+    except (MapperNotFoundError, StoreError, registry.ModelError, ValueError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    return summary.to_dict()
 
 
 @store_app.command("verify")
@@ -628,6 +690,8 @@ def bench_cmd(
     crux: Annotated[float | None, typer.Option(help="Also time the crux path: each translated path with its best "
                                                "chunk recomputed and the others' keys scaled by this.",
                                                min=0.0, max=1.0, show_default=False)] = None,
+    stored: Annotated[bool, typer.Option("--stored", help="Also time each translated path reading translations "
+                                         "stored before the clock (`cag store translate`).")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """TTFT: direct context vs native cache vs translated cache at 1K-8K context tokens."""
@@ -638,6 +702,7 @@ def bench_cmd(
     argv += ["--lengths", *map(str, lengths or [1024, 2048, 4096, 8192])]
     argv += ["--methods", *(methods or ["auto"])]
     argv += ["--crux", str(crux)] if crux is not None else []
+    argv += ["--stored"] if stored else []
     raise typer.Exit(bench_main(argv + (["--json"] if as_json else [])))
 
 

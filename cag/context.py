@@ -205,6 +205,10 @@ class CachedContext(BaseModel):
     dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="Compute dtype of the target: "
                                                           "'auto' is bf16 where the CPU has native bf16, else fp32.")
     translation_cache_mb: float = Field(512.0, ge=0.0, description="LRU of translated chunks per target.")
+    stored_translations: bool = Field(True, description="Read the translations a build stored for this "
+                                      "mapper and target (`cag store translate`, `cag build --translate-for`) "
+                                      "before translating a chunk at query time; a chunk without one, or with "
+                                      "a damaged one, is translated as before.")
     min_retention: float = Field(DEFAULT_MIN_RETENTION, ge=0.0, le=1.0, description="Quality gate: the "
                                  "least share of direct context's found-rate (measured on calibration lookup "
                                  "items) a cached path must keep to be served; 0 serves any path (consent).")
@@ -632,12 +636,15 @@ class CachedContext(BaseModel):
         return sorted(hits, key=lambda h: -h.score)
 
     def _target_chunks(self, hits, timings: Timings, notes: list[str]) -> tuple[list[KVChunk], list[Any]]:
-        """Load and translate the hits' chunks (LRU first); corrupt ones are skipped and named."""
+        """Load and translate the hits' chunks (LRU, then stored translations); corrupt ones are skipped and named."""
         from stores.errors import StoreIntegrityError
+
+        from stores.translations import read_translation
 
         lm, mapper, _ = self._ready()
         manifest, _ = self._current_view()
         cache_id = f"{mapper.method}:{getattr(mapper, 'artifact_id', '')}:{lm.fingerprint.id}"
+        stored = self.stored_translations and mapper.method != "identity"
         out: dict[int, KVChunk] = {}
         to_translate: list[tuple[int, KVChunk]] = []
         t = time.perf_counter()
@@ -646,6 +653,18 @@ class CachedContext(BaseModel):
             if cached is not None:
                 out[i] = cached
                 continue
+            if stored:  # translated at build time: loaded like a native chunk
+                try:
+                    chunk = read_translation(self._chunks, hit.key, hit.text, mapper.artifact_id, lm.fingerprint,
+                                             decode_dtype=lm.dtype)
+                except (ChunkError, StoreIntegrityError) as exc:
+                    notes.append(f"stored translation of chunk {hit.key[:12]}… of {hit.doc_id!r} refused "
+                                 f"({exc}); translating its source chunk instead")
+                    chunk = None
+                if chunk is not None:
+                    out[i] = chunk
+                    self._lru.put(f"{cache_id}:{hit.key}", chunk)
+                    continue
             try:
                 data = self._chunks.get(hit.key)
                 if data is None:

@@ -10,7 +10,10 @@ For each target and context length (1K, 2K, 4K, 8K target tokens of essay text):
   the target and the translated neighbours' keys scaled ("translate the bulk, prefill the
   crux": `recompute_select="retriever_chunk"`, one chunk, `translated_key_scale`). The
   bench's context is one document, so every chunk scores the same and the first is the
-  crux; its cost is one chunk's prefill against what precedes it, whichever chunk it is.
+  crux; its cost is one chunk's prefill against what precedes it, whichever chunk it is;
+- ``cache:<method>+stored`` (``--stored``): the same translations, made once before the clock
+  starts (`cag store translate`, stored in the store's own format) and loaded at query time
+  (`CachedContext.stored_translations`); the report records what translating the store cost.
 
 Every condition takes the whole query path: an index search, chunk loads from
 disk, translation, assembly, the question prefill and the choice of the first
@@ -103,12 +106,15 @@ def floor_once(lm, placed: DynamicCache, question_ids: torch.Tensor) -> float:
 
 def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: list[str], repeats: int,
               work_dir: Path, chunk_tokens: int = 256, log=print, progress: Progress | None = None,
-              prefill_rate_tokens: int = 1024, crux_key_scale: float | None = None) -> dict:
+              prefill_rate_tokens: int = 1024, crux_key_scale: float | None = None,
+              stored: bool = False) -> dict:
     """Rows per (target, length, condition), the cached paths' breakdowns, the host and prefill rates.
 
     `progress` advances once per round (one repeat of every condition at one length).
     `crux_key_scale`: also time each translated path with its crux recomputed (``+crux``).
+    `stored`: also time each translated path reading translations stored before the clock (``+stored``).
     """
+    from cag.store_translation import translate_store
     from stores.build import build_store
 
     if progress is not None:
@@ -117,6 +123,7 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
     text = essay_text()
     results = []
     rates: dict[str, dict] = {}
+    translations: list[dict] = []
 
     def note(message: str) -> None:
         if progress is not None:
@@ -137,7 +144,7 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
             build_store(docs, source_store, registry.load(source, "auto"), chunk_tokens=chunk_tokens)
             for method in methods:
                 ctx = CachedContext(store=source_store, target=target, mapper=method, translation_cache_mb=0,
-                                    max_new_tokens=1, min_retention=0.0)
+                                    max_new_tokens=1, min_retention=0.0, stored_translations=False)
                 try:
                     contexts[f"cache:{ctx.active_mapper.method}"] = ctx
                 except (MapperNotFoundError, ValueError) as exc:
@@ -147,7 +154,16 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                     contexts[f"cache:{ctx.active_mapper.method}+crux"] = CachedContext(
                         store=source_store, target=target, mapper=method, translation_cache_mb=0, max_new_tokens=1,
                         min_retention=0.0, recompute_select="retriever_chunk", recompute_ratio=1e-3,
-                        translated_key_scale=crux_key_scale)
+                        translated_key_scale=crux_key_scale, stored_translations=False)
+                if stored:  # translated once, off the clock, as a nightly build with --translate-for does
+                    note(f"{target}: translating the store with {method}")
+                    made = translate_store(source_store, ctx.target_model, mapper=method)
+                    translations.append(made.to_dict())
+                    log(f"{target}: stored {made.translated} {made.mapper} translations, {made.tokens:,} tokens "
+                        f"in {made.seconds:.1f} s, {made.bytes_per_token:,.0f} bytes/token ({made.dtype})")
+                    contexts[f"cache:{ctx.active_mapper.method}+stored"] = CachedContext(
+                        store=source_store, target=target, mapper=method, translation_cache_mb=0, max_new_tokens=1,
+                        min_retention=0.0, stored_translations=True)
         reference = contexts["native_cache"]
         lm, asm = reference.target_model, reference.assembler  # the model every path answers with
         note(f"{target}: measuring its prefill rate")
@@ -203,7 +219,8 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                 log(f"{target} {n:>5} {cond:<16} TTFT {med:7.3f} s  ×{dc / med:6.1f} vs direct  "
                     f"+{med - fl:.3f} s over the floor ({fl:.3f} s, ×{med / fl:.1f})  ({tokens[cond]} tokens)")
     return {"rows": [r for r in results if "ttft_median_s" in r],
-            "breakdowns": [r for r in results if "breakdown" in r], "host": host, "prefill": rates}
+            "breakdowns": [r for r in results if "breakdown" in r], "host": host, "prefill": rates,
+            "stored_translations": translations}
 
 
 def render_markdown(report: dict) -> str:
@@ -236,6 +253,15 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {target} | {n} | {cond} | {med['load']:.3f} | {med['translate']:.3f} | "
                          f"{med['assemble']:.3f} | {med['recompute']:.3f} | {med['question_prefill']:.3f} | "
                          f"{med['first_token']:.3f} |")
+    if report.get("stored_translations"):
+        lines += ["", "What the `+stored` paths' translations cost, once, before the clock (the whole store: "
+                  "every length's document):", "",
+                  "| target | mapper | chunks | tokens | seconds | tokens/s | stored bytes/token | format |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for t in report["stored_translations"]:
+            lines.append(f"| {t['target']} | {t['mapper']} | {t['translated']} | {t['tokens']:,} | "
+                         f"{t['seconds']:.1f} | {t['tokens_per_s']:,.0f} | {t['bytes_per_token']:,.0f} | "
+                         f"{t['dtype']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -275,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crux", type=float, default=None, metavar="KEY_SCALE",
                         help="also time each translated path with its best chunk recomputed and the other chunks' "
                              "keys scaled by KEY_SCALE (the crux path; README, 'Chunk repair')")
+    parser.add_argument("--stored", action="store_true",
+                        help="also time each translated path reading translations stored before the clock "
+                             "(`cag store translate`; README, 'Stored translations')")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     args = parser.parse_args(argv)
@@ -284,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cag-bench-") as tmp, \
             Progress("cag bench", rounds, unit="rounds") as bar:
         report = run_bench(source=args.source, targets=args.targets, lengths=args.lengths, methods=args.methods,
-                           repeats=args.repeats, work_dir=Path(tmp), progress=bar, crux_key_scale=args.crux)
+                           repeats=args.repeats, work_dir=Path(tmp), progress=bar, crux_key_scale=args.crux,
+                           stored=args.stored)
     report["run"] = {"command": "cag bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.platform()}, "
                      f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -39,6 +39,7 @@ from .errors import StoreError
 from .index import Embedder, Row, VectorIndex, resolve_embedder
 from .location import StoreLocation, open_store
 from .manifest import DocumentEntry, Manifest
+from .translations import base_key
 
 DEFAULT_MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 # int8 (KIVI's layout): 12,121 bytes per SmolLM2 token against 23,071 in bf16, and on the quick
@@ -425,14 +426,15 @@ def referenced_keys(store_dir: str | os.PathLike[str] | StoreLocation) -> set[st
 
 
 def collect_garbage(store_dir: str | os.PathLike[str] | StoreLocation, store: ChunkStore | None = None) -> int:
-    """Delete chunks that no kept version references; returns how many."""
+    """Delete chunks that no kept version references, and their translations; returns how many."""
     location = open_store(store_dir)
     location.cleanup_versions()
     own = store is None
     store = location.chunks() if own else store  # not `store or …`: an empty store is falsy
     try:
         keep = referenced_keys(location)
-        doomed = [k for k in store.keys() if k not in keep]
+        # a stored translation (stores.translations) lives exactly as long as its source chunk
+        doomed = [k for k in store.keys() if base_key(k) not in keep]
         for key in doomed:
             store.delete(key)
         return len(doomed)

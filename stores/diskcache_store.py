@@ -50,6 +50,7 @@ from cag.kv import (
 
 from .base import StoreStats
 from .errors import StoreIntegrityError
+from .translations import is_translation_key
 
 __all__ = ["DiskCacheChunkStore", "BytesOnlyDisk", "VerifyReport", "EntryProblem", "verify_chunks"]
 
@@ -216,7 +217,8 @@ def verify_chunks(store: Any, expect_model: ModelFingerprint | None = None) -> V
 
     Per entry: it is raw bytes (else ``refused``), its frame and checksum hold
     and its metadata parses (`read_metadata`), its fingerprint is
-    `expect_model`'s when given (else ``foreign``), and it fully decodes
+    `expect_model`'s when given (else ``foreign``; a stored translation, `stores.translations`,
+    must instead say it was translated from `expect_model`), and it fully decodes
     (`KVChunk.from_bytes`). Nothing is repaired or deleted. Any backend's store
     is checked by this one function, so every backend is held to the same checks.
     """
@@ -234,7 +236,15 @@ def verify_chunks(store: Any, expect_model: ModelFingerprint | None = None) -> V
         try:
             meta = read_metadata(data)
             model = ModelFingerprint.from_dict(meta.get("model") or {})
-            if expect_model is not None and model.id != expect_model.id:
+            if is_translation_key(key):
+                # a stored translation is the target's chunk; what must match is the model it came from
+                made_from = ((meta.get("settings") or {}).get("translated") or {}).get("source")
+                if made_from is None or (expect_model is not None and made_from != expect_model.id):
+                    report.foreign.append(EntryProblem(
+                        key, "foreign", f"stored as a translation, but translated from {made_from!r}, not "
+                                        f"{expect_model.describe() if expect_model is not None else 'a source'}"))
+                    continue
+            elif expect_model is not None and model.id != expect_model.id:
                 report.foreign.append(
                     EntryProblem(key, "foreign", f"computed by {model.describe()}, "
                                                  f"expected {expect_model.describe()}")

@@ -116,6 +116,23 @@ def _new_faiss_index(dim: int) -> faiss.Index:
     return faiss.IndexFlatIP(dim)
 
 
+class RowsOnlyEmbedder:
+    """Stands in for a store's embedder when a caller only reads the index's rows (listings,
+    verification, translating a store): opening the index then loads no embedding model."""
+
+    def __init__(self, embedder_id: str, dim: int | None) -> None:
+        self.id, self.dim = embedder_id, dim
+
+    def __call__(self, texts):
+        raise RuntimeError("this index was opened to read its rows, not to embed")
+
+    @classmethod
+    def for_store(cls, location) -> "RowsOnlyEmbedder":
+        """The stand-in for the published version of `location` (a `stores.location.StoreLocation`)."""
+        info = location.index_info(location.current_version())
+        return cls(info["embedder_id"], info["dim"])
+
+
 class VectorIndex:
     """Chunk rows and their normalised embeddings, searchable by cosine similarity."""
 
