@@ -317,23 +317,22 @@ def store_stats(path: StoreDir, as_json: JsonFlag = False) -> None:
 def _translation_groups(location) -> list[dict[str, Any]]:
     """Stored translations (`stores.translations`) by mapper and target, from one frame's metadata each."""
     from cag.kv import ChunkError, read_metadata
-    from stores.translations import is_translation_key
+    from stores.translations import is_translation_key, translation_suffix
 
     groups: dict[str, list[str]] = {}
     with location.chunks() as chunks:
         for key in chunks.keys():
             if is_translation_key(key):
-                groups.setdefault(key.split("~", 1)[1], []).append(key)
+                groups.setdefault(translation_suffix(key), []).append(key)
         rows = []
-        for suffix, keys in sorted(groups.items()):
+        for _, keys in sorted(groups.items()):
             try:
                 meta = read_metadata(chunks.get(keys[0]) or b"")
-                made = (meta.get("settings") or {}).get("translated") or {}
-                target = (meta.get("model") or {}).get("name")
             except ChunkError:  # `cag store verify` names it; a listing only counts
-                made, target = {}, None
-            rows.append({"target": target, "method": made.get("method"), "mapper_id": made.get("mapper"),
-                         "chunks": len(keys), "dtype": meta.get("dtype") if made else None})
+                meta = {}
+            made = (meta.get("settings") or {}).get("translated") or {}
+            rows.append({"target": (meta.get("model") or {}).get("name"), "method": made.get("method"),
+                         "mapper_id": made.get("mapper"), "chunks": len(keys), "dtype": meta.get("dtype")})
     return rows
 
 

@@ -58,12 +58,16 @@ def translation_bytes(store: Path, made) -> tuple[int, int]:
     from stores.translations import base_key, is_translation_key
 
     location = open_store(store)
+    live = location.load_manifest(location.current_version()).chunk_keys()
+    size = tokens = 0
     with location.chunks() as chunks:
-        mine = [k for k in chunks.keys() if is_translation_key(k)]
-        frames = [chunks.get(k) for k in mine if base_key(k) in location.load_manifest(
-            location.current_version()).chunk_keys()]
-    frames = [f for f in frames if KVChunk.from_bytes(f).settings["translated"]["mapper"] == made.mapper_id]
-    return sum(map(len, frames)), sum(KVChunk.from_bytes(f).num_tokens for f in frames)
+        for key in chunks.keys():
+            if is_translation_key(key) and base_key(key) in live:
+                data = chunks.get(key)
+                chunk = KVChunk.from_bytes(data)
+                if chunk.settings["translated"]["mapper"] == made.mapper_id:
+                    size, tokens = size + len(data), tokens + chunk.num_tokens
+    return size, tokens
 
 
 def main(argv=None) -> int:

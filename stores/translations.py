@@ -32,7 +32,7 @@ from cag.kv import ChunkError, KVChunk, normalize_dtype, text_sha256
 from .base import ChunkStore
 from .errors import StoreIntegrityError
 
-__all__ = ["TRANSLATION_KEY_VERSION", "translation_key", "base_key", "is_translation_key",
+__all__ = ["TRANSLATION_KEY_VERSION", "translation_key", "base_key", "translation_suffix", "is_translation_key",
            "read_translation", "translate_chunks", "TranslateSummary"]
 
 TRANSLATION_KEY_VERSION = 1
@@ -55,6 +55,11 @@ def is_translation_key(key: str) -> bool:
 def base_key(key: str) -> str:
     """The source chunk's key of a translation key (a chunk key is its own base)."""
     return key.split(_SEP, 1)[0]
+
+
+def translation_suffix(key: str) -> str:
+    """What a translation key adds to its chunk key: the same for every chunk of one (mapper, target)."""
+    return key[len(base_key(key)):]
 
 
 def read_translation(store: ChunkStore, chunk_key: str, text: str, mapper_id: str, target,
@@ -123,10 +128,10 @@ def translate_chunks(store: ChunkStore, items: Iterable[tuple[str, str]], mapper
     started = time.perf_counter()
     pending = [(k, t) for k, t in todo if not store.contains(translation_key(k, mapper_id, fp.id))]
     summary.present = len(todo) - len(pending)
-    done = summary.present
-    for start in range(0, len(pending), max(1, batch_chunks)):
+    done, step = summary.present, max(1, batch_chunks)
+    for start in range(0, len(pending), step):
         batch, chunks = [], []
-        for key, text in pending[start:start + max(1, batch_chunks)]:
+        for key, text in pending[start:start + step]:
             try:
                 data = store.get(key)
                 if data is None:
@@ -142,7 +147,7 @@ def translate_chunks(store: ChunkStore, items: Iterable[tuple[str, str]], mapper
                 summary.translated += 1
                 summary.tokens += out.num_tokens
                 summary.bytes_written += len(data)
-        done += len(pending[start:start + max(1, batch_chunks)])
+        done += len(pending[start:start + step])
         if on_batch is not None:
             on_batch(done, len(todo))
     summary.seconds = time.perf_counter() - started

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from stores.build import build_store
 from stores.errors import StoreError, StoreIntegrityError, StoreMismatchError
-from stores.index import Row, VectorIndex
+from stores.index import Row, RowsOnlyEmbedder, VectorIndex
 from stores.location import LocalStore, open_store
 from stores.manifest import DocumentEntry, Manifest, version_dir
 from stores.redis_store import RedisChunkStore, RedisStore, StoreConnectionError, parse_redis_url
@@ -459,7 +459,7 @@ def test_redis_store_answers_exactly_as_the_local_store(redis_server, tmp_path):
               for s in (folder, url)}
     assert builds[url]["chunks_prefilled"] == builds[folder]["chunks_prefilled"] > 0
     # same keys, same bytes, same manifest and index
-    stub = _StubEmbedder(open_store(folder).index_info(1))
+    stub = RowsOnlyEmbedder.for_store(open_store(folder))
     views = {}
     for s in (folder, url):
         location = open_store(s)
@@ -504,13 +504,3 @@ def test_redis_store_answers_exactly_as_the_local_store(redis_server, tmp_path):
     assert answers[url] == answers[folder]
     result = runner.invoke(app, ["store", "stats", f"{redis_server}/nothing-here"])
     assert result.exit_code == 1 and "no store" in result.output
-
-
-class _StubEmbedder:
-    """Stands in for the recorded embedder when only rows and vectors are compared."""
-
-    def __init__(self, info: dict) -> None:
-        self.id, self.dim = info["embedder_id"], info["dim"]
-
-    def __call__(self, texts):
-        raise AssertionError("not embedding")
