@@ -86,7 +86,8 @@ def attend(q, k, v, scaling, window, q_pos, k_pos) -> torch.Tensor:
 
 
 @contextmanager
-def context_temperature(model, start: int, end: int, temperature: float = 1.0, scale: float = 1.0):
+def context_temperature(model, start: int, end: int, temperature: float = 1.0, scale: float = 1.0,
+                        offsets: torch.Tensor | None = None):
     """APE's query-time adjustment of attention over a placed context block, during a forward.
 
     For every attention layer whose keys still hold the whole context (full-attention
@@ -100,12 +101,16 @@ def context_temperature(model, start: int, end: int, temperature: float = 1.0, s
     Implemented by wrapping the model's registered attention function (the model
     code is not forked): the context's keys are divided by ``T`` and ``log S`` is
     added to the mask. ``T = S = 1`` is exactly the model's own attention.
+
+    `offsets` ``[layers, query heads]``: a logit offset per layer and query head on top
+    of ``log S`` (a translated context's mass matched to native's,
+    `eval/calibrate_context_mass.py`); ``None`` adds nothing.
     """
     import math
 
     if temperature <= 0 or scale <= 0:
         raise ValueError(f"temperature and scale must be > 0, got {temperature}, {scale}")
-    if temperature == 1.0 and scale == 1.0:
+    if temperature == 1.0 and scale == 1.0 and offsets is None:
         yield
         return
     log_s = math.log(scale)
@@ -131,8 +136,13 @@ def context_temperature(model, start: int, end: int, temperature: float = 1.0, s
                 mask = attention_mask
             while mask.dim() < 4:
                 mask = mask[None]
-            mask = mask.expand(*mask.shape[:-2], q_len, kv_len).clone()
-            mask[..., start:end] += log_s
+            if offsets is None:
+                mask = mask.expand(*mask.shape[:-2], q_len, kv_len).clone()
+                mask[..., start:end] += log_s
+            else:  # one offset per query head: the mask gets a head dimension of its own
+                mask = mask.expand(mask.shape[0], query.shape[1], q_len, kv_len).clone()
+                per_head = offsets[module.layer_idx].to(device=mask.device, dtype=mask.dtype)
+                mask[..., start:end] += log_s + per_head[None, :, None, None]
             return original(module, query, key, value, mask, **kwargs)
         return wrapper
 

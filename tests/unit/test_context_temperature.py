@@ -50,3 +50,22 @@ def test_bad_values_are_refused(tiny):
     with pytest.raises(ValueError):
         with context_temperature(tiny.model, 1, 2, temperature=0.0):
             pass
+
+
+def test_per_head_offsets_equal_the_scale_when_uniform_and_act_per_head(tiny):
+    """Offsets of log S in every layer and head are the scale S; an offset on one head moves only that head."""
+    import math
+
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    chunks = [tiny.prefill(t) for t in TEXTS]
+    q = asm.question_ids("How many maps?")
+    config = tiny.model.config
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    uniform = torch.full((layers, heads), math.log(0.5))
+    torch.testing.assert_close(placed_logits(tiny, asm, chunks, q, offsets=uniform),
+                               placed_logits(tiny, asm, chunks, q, scale=0.5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(placed_logits(tiny, asm, chunks, q, offsets=torch.zeros(layers, heads)),
+                               placed_logits(tiny, asm, chunks, q), atol=1e-5, rtol=0)
+    one = torch.zeros(layers, heads)
+    one[list(tiny.adapter.layer_types).index("full_attention"), 0] = -3.0  # sliding layers are left alone
+    assert (placed_logits(tiny, asm, chunks, q, offsets=one) - placed_logits(tiny, asm, chunks, q)).abs().max() > 1e-4
