@@ -34,6 +34,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ from eval import metrics  # noqa: E402
 
 CHUNK_TOKENS = 256          # the store's default chunk size (`cag build`)
 FIRST_K = 8
+CRUX_KEY_SCALE = 0.3        # eval/results/crux_key_scale.md: chosen for Qwen2.5 on 50 calib-lookup items
 POSITION_BUCKETS = ((0, 4), (4, 16), (16, 64), (64, 10**9))
 SEED_BASE = 300             # calib-needle seeds nobody else reads (gate 0, lab >= 100 and its items)
 
@@ -80,10 +82,16 @@ def mixed(native: KVChunk, translated: KVChunk, keys_from: str, values_from: str
     return KVChunk(keys, values, native.token_ids, native.offsets, native.text_hash, native.model, native.settings)
 
 
+def damped(chunks: list[KVChunk], keep: int | None, scale: float) -> list[KVChunk]:
+    """Every chunk but ``keep`` with its keys × ``scale`` (rotation is linear, so this scales its logits)."""
+    return [c if i == keep else replace(c, keys=c.keys * scale) for i, c in enumerate(chunks)]
+
+
 def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | None,
-               offsets: bool = False) -> dict[str, list[KVChunk]]:
+               offsets: bool = False, top: int | None = None) -> dict[str, list[KVChunk]]:
     """Condition name → chunks to place. A name ending in ``+ offset`` is placed with the calibrated
-    per-head context logit offsets (`eval/calibrate_context_mass.py`)."""
+    per-head context logit offsets (`eval/calibrate_context_mass.py`). ``top``: the chunk the
+    retriever's embedder ranks first for the question (no label read)."""
     both = list(zip(natives, translated))
     out = {
         "native": [mixed(n, t, "native", "native") for n, t in both],
@@ -97,6 +105,13 @@ def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | 
                                                  for i, (n, t) in enumerate(both)]
         out["needle translated, rest native"] = [mixed(n, t, *(("translated",) * 2 if i == needle else ("native",) * 2))
                                                  for i, (n, t) in enumerate(both)]
+    # Translate everything, prefill nothing: the crux stays translated and its translated
+    # neighbours are damped (the crux path's calibrated key scale), by the label or the retriever.
+    if needle is not None:
+        out[f"translated, others' keys x{CRUX_KEY_SCALE} (needle)"] = damped(out["translated"], needle, CRUX_KEY_SCALE)
+    if top is not None:
+        out[f"translated, others' keys x{CRUX_KEY_SCALE} (retriever top)"] = damped(out["translated"], top,
+                                                                                 CRUX_KEY_SCALE)
     if offsets:
         out["translated + offset"] = out["translated"]
         if needle is not None:
@@ -167,7 +182,10 @@ def run_item(ctx: CachedContext, item, max_new_tokens: int, offsets: torch.Tenso
     sizes = [c.num_tokens for c in natives]
     row = {"id": item.id, "context_tokens": sum(sizes), "chunks": len(sizes), "needle_chunk": needle,
            "depth": item.meta.get("depth"), "conditions": {}}
-    todo = {"no context": [], **conditions(natives, translated, needle, offsets is not None)}
+    _, index = ctx._current_view()
+    top = int((index.embed([h.text for h in hits]) @ index.embed([item.question])[0]).argmax())  # unit-norm rows
+    row["retriever_top_holds_needle"] = top == needle
+    todo = {"no context": [], **conditions(natives, translated, needle, offsets is not None, top)}
     for name, chunks in todo.items():
         if only and name not in only:
             continue
@@ -195,6 +213,8 @@ def summarize(rows: list[dict]) -> dict:
         group = by_length.setdefault(row["length"], {"n": 0, "context_tokens": [], "conditions": {}})
         group["n"] += 1
         group["context_tokens"].append(row["context_tokens"])
+        if "retriever_top_holds_needle" in row:
+            group.setdefault("top_holds", []).append(row["retriever_top_holds_needle"])
         for name, e in row["conditions"].items():
             c = group["conditions"].setdefault(name, {"found": [], "f1": [], "gold_ll": [], "attention": {}})
             for k in ("found", "f1", "gold_ll"):
@@ -210,6 +230,8 @@ def summarize(rows: list[dict]) -> dict:
                            "gold_ll": float(gl.mean()), "gold_ll_ci": list(metrics_ci(gl)),
                            "attention": {w: torch.tensor(v).mean(0).tolist() for w, v in c["attention"].items()}}
         out[str(length)] = {"n": g["n"], "mean_context_tokens": sum(g["context_tokens"]) / g["n"], "conditions": conds}
+        if g.get("top_holds"):
+            out[str(length)]["retriever_top_holds_needle"] = sum(g["top_holds"]) / len(g["top_holds"])
     return out
 
 
@@ -231,6 +253,9 @@ def render(summary: dict, meta: dict) -> str:
         lines += [f"## {length} target tokens (n = {g['n']}, mean {g['mean_context_tokens']:.0f} context tokens)", "",
                   "| condition | found | F1 | gold LL | attention: head | needle chunk | answer | other chunks |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        if "retriever_top_holds_needle" in g:
+            lines[-2:-2] = [f"The retriever's top chunk holds the needle in {g['retriever_top_holds_needle']:.2f} "
+                            "of items.", ""]
         for name, c in g["conditions"].items():
             att = c["attention"]
             mean = (lambda k: sum(att[k]) / len(att[k])) if att else None
