@@ -87,8 +87,17 @@ def damped(chunks: list[KVChunk], keep: int | None, scale: float) -> list[KVChun
     return [c if i == keep else replace(c, keys=c.keys * scale) for i, c in enumerate(chunks)]
 
 
+def key_corrected(chunks: list[KVChunk], correction: tuple[torch.Tensor, torch.Tensor]) -> list[KVChunk]:
+    """Translated chunks with `eval/fit_key_correction.py`'s ``k + (k A) B`` on their position-free keys."""
+    from eval.fit_key_correction import corrected
+
+    a, b = correction
+    return [replace(c, keys=corrected(c.keys.float(), a, b)) for c in chunks]
+
+
 def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | None,
-               offsets: bool = False, top: int | None = None) -> dict[str, list[KVChunk]]:
+               offsets: bool = False, top: int | None = None,
+               correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, list[KVChunk]]:
     """Condition name → chunks to place. A name ending in ``+ offset`` is placed with the calibrated
     per-head context logit offsets (`eval/calibrate_context_mass.py`). ``top``: the chunk the
     retriever's embedder ranks first for the question (no label read)."""
@@ -112,6 +121,12 @@ def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | 
     if top is not None:
         out[f"translated, others' keys x{CRUX_KEY_SCALE} (retriever top)"] = damped(out["translated"], top,
                                                                                  CRUX_KEY_SCALE)
+    if correction is not None:
+        out["translated + key correction"] = key_corrected(out["translated"], correction)
+        if needle is not None:
+            out["needle native, rest translated + key correction"] = [
+                n if i == needle else k
+                for i, (n, k) in enumerate(zip(natives, out["translated + key correction"]))]
     if offsets:
         out["translated + offset"] = out["translated"]
         if needle is not None:
@@ -167,7 +182,7 @@ def attention_profile(lm, placed, q: torch.Tensor, sizes: list[int], needle: int
 
 @torch.inference_mode()
 def run_item(ctx: CachedContext, item, max_new_tokens: int, offsets: torch.Tensor | None = None,
-             only: list[str] | None = None) -> dict:
+             only: list[str] | None = None, correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     lm, _, asm = ctx._ready()
     hits = ctx.document_hits([d.id for d in item.documents])
     with warnings.catch_warnings():
@@ -185,7 +200,7 @@ def run_item(ctx: CachedContext, item, max_new_tokens: int, offsets: torch.Tenso
     _, index = ctx._current_view()
     top = int((index.embed([h.text for h in hits]) @ index.embed([item.question])[0]).argmax())  # unit-norm rows
     row["retriever_top_holds_needle"] = top == needle
-    todo = {"no context": [], **conditions(natives, translated, needle, offsets is not None, top)}
+    todo = {"no context": [], **conditions(natives, translated, needle, offsets is not None, top, correction)}
     for name, chunks in todo.items():
         if only and name not in only:
             continue
@@ -283,10 +298,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "length_diagnosis")
     ap.add_argument("--offsets", type=Path, help="calibrated context logit offsets (eval/calibrate_context_mass.py): "
                     "adds the '+ offset' conditions")
+    ap.add_argument("--key-correction", type=Path, help="a key correction (eval/fit_key_correction.py, "
+                    ".safetensors): adds the 'translated + key correction' conditions")
     ap.add_argument("--only", nargs="+", help="run only these conditions")
     ap.add_argument("--tag", default="", help="results-<tag>.jsonl beside the first run's results")
     args = ap.parse_args(argv)
     offsets = torch.tensor(json.loads(args.offsets.read_text())["offset"]) if args.offsets else None
+    correction = None
+    if args.key_correction:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(args.key_correction))
+        correction = (weights["a"], weights["b"])
 
     lm = registry.load(args.target, "auto")
     items = {length: needles(length, args.n, lm.tokenizer) for length in args.lengths}
@@ -301,7 +324,7 @@ def main(argv=None) -> int:
     todo = [(length, it) for length, its in items.items() for it in its if it.id not in done]
     with Progress("length diagnosis", total=len(todo), unit="items", interval_s=20) as bar, path.open("a") as f:
         for length, item in todo:
-            row = run_item(ctx, item, args.max_new_tokens, offsets, args.only)
+            row = run_item(ctx, item, args.max_new_tokens, offsets, args.only, correction)
             row["length"] = length
             f.write(json.dumps(row) + "\n")
             f.flush()

@@ -13,6 +13,15 @@ plus, optionally (``token_residual``), per target layer l a ridge map from the t
 which token sits at each position in the target's own vocabulary: a source with another
 tokenizer cannot supply it, and copying a name or a number out of the context needs it.
 
+Optionally (``key_correction_rank`` r > 0), a low-rank correction of every translated key,
+per target layer l and KV head h, on the finished position-free keys:
+
+    k' = k + (k · A[l,h]) · B[l,h]            A: [D, r], B: [r, D]
+
+fitted through the frozen target on lookups among several translated chunks
+(`eval/fit_key_correction.py`): the rest of the map is fitted one token at a time
+and never sees translated neighbours match a question they should not.
+
 ``s`` restores each translated key channel's spread (ridge shrinks every channel
 toward its mean, and the few massive low-frequency rotary channels that carry
 lookups suffer most); values keep s = 1. z is the same for every target layer,
@@ -85,6 +94,11 @@ def split_outputs(y: torch.Tensor, num_layers: int, heads: int) -> tuple[torch.T
     return out[0], out[1]
 
 
+def corrected_keys(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``k + (k A) B`` per layer and head: keys ``[L, H, T, D]``, A ``[L, H, D, r]``, B ``[L, H, r, D]``."""
+    return keys + (keys @ a) @ b
+
+
 @register_mapper
 class BottleneckMapper(Mapper):
     method = "bottleneck"
@@ -112,6 +126,10 @@ class BottleneckMapper(Mapper):
     def token_window(self) -> int:
         return int(self.settings.get("token_window", 2))  # tokens t … t−window+1; artifacts before it: 2
 
+    @property
+    def key_correction_rank(self) -> int:
+        return int(self.settings.get("key_correction_rank", 0))  # artifacts before it: none
+
     def set_weights(self, **tensors: torch.Tensor) -> None:
         """Install fitted weights, rounded to their storage dtype (what is measured is what is saved)."""
         store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
@@ -131,6 +149,10 @@ class BottleneckMapper(Mapper):
             fw = 2 * self.token_window * hd
             expected.update({"tok_w": (t.num_layers, fw, 2 * hd), "tok_mean_f": (t.num_layers, fw),
                              "tok_mean_r": (t.num_layers, 2 * hd)})
+        if self.key_correction_rank:
+            t, kr = self.target, self.key_correction_rank
+            expected.update({"key_a": (t.num_layers, t.num_kv_heads, t.head_dim, kr),
+                             "key_b": (t.num_layers, t.num_kv_heads, kr, t.head_dim)})
         if set(tensors) != set(expected):
             raise MapperArtifactError(f"bottleneck weights: expected {sorted(expected)}, got {sorted(tensors)}")
         for name, shape in expected.items():
@@ -169,5 +191,7 @@ class BottleneckMapper(Mapper):
                 t = self.weights  # in fp32, as the direct path is
                 rk, rv = token_residual(target, ids, t["tok_w"], t["tok_mean_f"], t["tok_mean_r"])
                 keys, values = keys + rk, values + rv
+            if self.key_correction_rank:
+                keys = corrected_keys(keys, self.weights["key_a"], self.weights["key_b"])
             out.append(self._target_chunk(keys, values, ids, offsets, chunk, target))
         return out

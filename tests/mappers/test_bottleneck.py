@@ -205,3 +205,57 @@ def test_artifact_id_tells_refits_apart_and_survives_a_round_trip(fitted, llama,
     second = load_mapper(tmp_path / "b", source=llama.fingerprint, target=gemma2tok.fingerprint)
     assert second.settings == first.settings and second.fitted_on == first.fitted_on
     assert second.artifact_id != first.artifact_id
+
+
+def _with_key_correction(mapper, a, b):
+    corrected = BottleneckMapper(mapper.source, mapper.target, {**mapper.settings, "key_correction_rank": a.shape[-1]})
+    corrected.set_weights(**mapper.weights, key_a=a, key_b=b)
+    return corrected
+
+
+def test_key_correction_is_k_plus_k_a_b_on_the_keys_only_and_round_trips(fitted, llama, gemma2tok, texts, tmp_path):
+    _, mapper = fitted
+    fp = gemma2tok.fingerprint
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(fp.num_layers, fp.num_kv_heads, fp.head_dim, 2, generator=g)
+    chunk, text = llama.prefill(texts[0]), texts[0]
+    plain = mapper.translate(chunk, text, gemma2tok)
+    # B = 0: the map itself (what the fit starts from)
+    zero = _with_key_correction(mapper, a, torch.zeros(fp.num_layers, fp.num_kv_heads, 2, fp.head_dim))
+    torch.testing.assert_close(zero.translate(chunk, text, gemma2tok).keys, plain.keys)
+    b = 0.1 * torch.randn(fp.num_layers, fp.num_kv_heads, 2, fp.head_dim, generator=g)
+    corrected = _with_key_correction(mapper, a, b)
+    out = corrected.translate(chunk, text, gemma2tok)
+    want = plain.keys + torch.einsum("lhtd,lhdr,lhre->lhte", plain.keys, a, b)
+    torch.testing.assert_close(out.keys, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.values, plain.values)
+    assert corrected.artifact_id != mapper.artifact_id
+    corrected.save(tmp_path / "m")
+    again = load_mapper(tmp_path / "m", source=llama.fingerprint, target=gemma2tok.fingerprint)
+    torch.testing.assert_close(again.translate(chunk, text, gemma2tok).keys, out.keys)
+
+
+def test_a_key_correction_of_the_wrong_shape_is_refused(fitted, gemma2tok):
+    _, mapper = fitted
+    fp = gemma2tok.fingerprint
+    with pytest.raises(MapperArtifactError, match="key_b"):
+        _with_key_correction(mapper, torch.zeros(fp.num_layers, fp.num_kv_heads, fp.head_dim, 2),
+                             torch.zeros(fp.num_layers, fp.num_kv_heads, 3, fp.head_dim))
+
+
+def test_the_key_correction_fit_lowers_the_answer_nll_on_a_tiny_pair(fitted, llama, gemma2tok, texts):
+    from cag.assembler import Assembler
+    from cag.prompt import layout_for
+    from eval.fit_key_correction import fit
+
+    _, mapper = fitted
+    asm = Assembler(gemma2tok, layout_for(gemma2tok.tokenizer))
+    prefix = asm.prefix()
+    items = []
+    for i in range(3):
+        chunks = mapper.translate_batch([llama.prefill(t) for t in texts[i:i + 2]], texts[i:i + 2], gemma2tok)
+        items.append({"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
+                      "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
+                      "n_prefix": prefix.num_tokens, "question": f"What is item {i}?", "answer": texts[i].split()[3]})
+    _, _, history = fit(gemma2tok, asm, items, items, rank=2, epochs=3, lr=0.02, l2=0.0)
+    assert history[-2]["held_nll"] < history[0]["held_nll"] - 0.01
