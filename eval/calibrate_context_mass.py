@@ -24,11 +24,9 @@ runtime does not read it: it moves there only if the diagnosis finds it helps.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -36,21 +34,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cag.context import CachedContext, Timings  # noqa: E402
+from cag.context import CachedContext  # noqa: E402
 
 SEED_BASE = 500  # calib-needle seeds of this calibration only (diagnosis: 300 + length)
 
 
 def context_mass(lm, placed, q: torch.Tensor) -> torch.Tensor:
     """``[layers, query heads]``: the question's mean attention mass on the placed context block."""
-    model = lm.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        att = model.model(input_ids=q[None], past_key_values=copy.deepcopy(placed.cache), use_cache=True,
-                          output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation(previous)
+    from eval.lab.score import question_attentions
+
+    att = question_attentions(lm.model, placed, q)
     lo, hi = placed.prefix_tokens, placed.context_ids.numel()
     return torch.stack([a[0, :, :, lo:hi].float().sum(-1).mean(-1) for a in att])
 
@@ -62,11 +55,10 @@ def logit(p: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def item_offsets(ctx: CachedContext, item) -> dict:
+    from eval.diagnose_length import translated_chunks
+
     lm, _, asm = ctx._ready()
-    hits = ctx.document_hits([d.id for d in item.documents])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        translated, hits = ctx._target_chunks(hits, Timings(), [])
+    translated, hits = translated_chunks(ctx, item)
     natives = [lm.prefill(h.text) for h in hits]
     q = asm.question_ids(item.question)
     c_native = context_mass(lm, asm.place(natives), q)
@@ -78,16 +70,12 @@ def item_offsets(ctx: CachedContext, item) -> dict:
 def main(argv=None) -> int:
     from cag.models import registry
     from cag.progress import Progress
-    from eval.diagnose_length import CHUNK_TOKENS, needles
+    from eval.diagnose_length import CHUNK_TOKENS, needles, pair_arguments
     from eval.harness import host_info
     from eval.run import build_eval_store
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", default="smollm2-135m")
-    ap.add_argument("--target", default="qwen2.5-0.5b")
-    ap.add_argument("--method", default="bottleneck")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--n", type=int, default=6, help="needles per length")
+    pair_arguments(ap, n=6, lengths=[1024, 2048, 4096])
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "context_mass")
     args = ap.parse_args(argv)
 

@@ -47,6 +47,7 @@ from cag.generate import generate, last_logits, stop_token_ids  # noqa: E402
 from cag.kv import KVChunk  # noqa: E402
 from cag.models.attention import context_temperature  # noqa: E402
 from eval import metrics  # noqa: E402
+from eval.lab.score import question_attentions  # noqa: E402
 
 CHUNK_TOKENS = 256          # the store's default chunk size (`cag build`)
 FIRST_K = 8
@@ -134,6 +135,24 @@ def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | 
     return out
 
 
+def translated_chunks(ctx: CachedContext, item) -> tuple[list[KVChunk], list]:
+    """The item's documents' chunks as the query path translates them (no stored translations,
+    no LRU in these scripts' contexts), and their hits, in document order."""
+    hits = ctx.document_hits([d.id for d in item.documents])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "translated path below the gate": these scripts measure it
+        return ctx._target_chunks(hits, Timings(), [])
+
+
+def pair_arguments(ap: argparse.ArgumentParser, *, n: int, lengths: list[int]) -> None:
+    """The arguments every calibration-needle script here shares."""
+    ap.add_argument("--source", default="smollm2-135m")
+    ap.add_argument("--target", default="qwen2.5-0.5b")
+    ap.add_argument("--method", default="bottleneck")
+    ap.add_argument("--lengths", type=int, nargs="+", default=lengths)
+    ap.add_argument("--n", type=int, default=n, help="needles per length")
+
+
 def answer_location(hits, chunks: list[KVChunk], answers) -> tuple[int | None, tuple[int, int] | None]:
     """(chunk index, [start, end) token span inside the whole placed context) of the answer's first occurrence."""
     before = 0
@@ -152,14 +171,7 @@ def answer_location(hits, chunks: list[KVChunk], answers) -> tuple[int | None, t
 def attention_profile(lm, placed, q: torch.Tensor, sizes: list[int], needle: int | None,
                       span: tuple[int, int] | None) -> dict[str, list[float]]:
     """Per layer, the question's attention (mean over heads and question tokens) by where it lands."""
-    model = lm.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        att = model.model(input_ids=q[None], past_key_values=copy.deepcopy(placed.cache), use_cache=True,
-                          output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation(previous)
+    att = question_attentions(lm.model, placed, q)
     p = placed.prefix_tokens
     starts = torch.tensor([0, *sizes]).cumsum(0)
     in_chunk = torch.cat([torch.arange(s) for s in sizes])           # position of each context token in its chunk
@@ -184,10 +196,7 @@ def attention_profile(lm, placed, q: torch.Tensor, sizes: list[int], needle: int
 def run_item(ctx: CachedContext, item, max_new_tokens: int, offsets: torch.Tensor | None = None,
              only: list[str] | None = None, correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     lm, _, asm = ctx._ready()
-    hits = ctx.document_hits([d.id for d in item.documents])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        translated, hits = ctx._target_chunks(hits, Timings(), [])
+    translated, hits = translated_chunks(ctx, item)
     natives = [lm.prefill(h.text) for h in hits]
     needle, span = answer_location(hits, natives, item.answers)
     q = asm.question_ids(item.question)
@@ -289,11 +298,7 @@ def main(argv=None) -> int:
     from eval.run import build_eval_store
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", default="smollm2-135m")
-    ap.add_argument("--target", default="qwen2.5-0.5b")
-    ap.add_argument("--method", default="bottleneck")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--n", type=int, default=8, help="needles per length")
+    pair_arguments(ap, n=8, lengths=[1024, 2048, 4096])
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "length_diagnosis")
     ap.add_argument("--offsets", type=Path, help="calibrated context logit offsets (eval/calibrate_context_mass.py): "
@@ -319,6 +324,15 @@ def main(argv=None) -> int:
                      chunk_tokens=CHUNK_TOKENS, progress=True)
     ctx = CachedContext(store=store, target=args.target, mapper=args.method, translation_cache_mb=0,
                         min_retention=0)
+    if args.key_correction:
+        # A correction is fitted on top of one artifact; on another (e.g. the shipped map that
+        # already carries it since `fit_key_correction.py --export`) it would be applied twice.
+        fitted_on = json.loads(args.key_correction.with_name(args.key_correction.name.replace(
+            ".safetensors", ".json")).read_text())["mapper_artifact"]
+        artifact = getattr(ctx._ready()[1], "artifact_id", None)
+        if artifact != fitted_on:
+            raise SystemExit(f"{args.key_correction} was fitted on mapper artifact {fitted_on}; this run's "
+                             f"{args.method} is {artifact} (it may carry the correction already)")
     path = args.out / (f"results-{args.tag}.jsonl" if args.tag else "results.jsonl")
     done = {json.loads(line)["id"] for line in path.read_text().splitlines()} if path.exists() else set()
     todo = [(length, it) for length, its in items.items() for it in its if it.id not in done]

@@ -34,7 +34,6 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -43,7 +42,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cag.context import CachedContext, Timings  # noqa: E402
+from cag.context import CachedContext  # noqa: E402
 
 SEED_BASE = 700  # calib-needle seeds of this fit only (diagnosis 300, context mass 500)
 
@@ -64,11 +63,10 @@ def training_needles(length: int, n: int, tokenizer) -> list:
 @torch.no_grad()  # not inference_mode: the fit backpropagates through these keys
 def translated_context(ctx: CachedContext, item) -> dict:
     """Position-free K/V ``[L, H, T, D]`` of prompt head + the item's translated chunks, in order."""
+    from eval.diagnose_length import translated_chunks
+
     _, _, asm = ctx._ready()
-    hits = ctx.document_hits([d.id for d in item.documents])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        chunks, _ = ctx._target_chunks(hits, Timings(), [])
+    chunks, _ = translated_chunks(ctx, item)
     prefix = asm.prefix()
     return {"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
             "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
@@ -184,16 +182,12 @@ def record_lab(source: str, target: str, method: str, result_path: Path) -> int:
 def main(argv=None) -> int:
     from cag.models import registry
     from cag.progress import Progress
-    from eval.diagnose_length import CHUNK_TOKENS
+    from eval.diagnose_length import CHUNK_TOKENS, pair_arguments
     from eval.harness import host_info
     from eval.run import build_eval_store
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", default="smollm2-135m")
-    ap.add_argument("--target", default="qwen2.5-0.5b")
-    ap.add_argument("--method", default="bottleneck")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    ap.add_argument("--n", type=int, default=24, help="needles per length")
+    pair_arguments(ap, n=24, lengths=[1024, 2048])
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)

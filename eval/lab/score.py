@@ -93,14 +93,7 @@ class Scorer:
 
     def attention(self, item: dict, placed, q: torch.Tensor) -> dict:
         """Per layer: the question's attention share on the answer span, the head, the rest."""
-        model = self.target.model
-        previous = model.config._attn_implementation
-        model.set_attn_implementation("eager")
-        try:
-            att = model.model(input_ids=q[None], past_key_values=copy.deepcopy(placed.cache), use_cache=True,
-                              output_attentions=True).attentions
-        finally:
-            model.set_attn_implementation(previous)
+        att = question_attentions(self.target.model, placed, q)
         n_prefix = placed.prefix_tokens
         span = answer_token_span(item)
         answer, head, rest = [], [], []
@@ -116,6 +109,18 @@ class Scorer:
             rest.append(float(ctx.sum(-1).mean()) - (ans if span is not None else 0.0))
         share = (span[1] - span[0]) / max(1, placed.context_ids.numel() - n_prefix) if span else float("nan")
         return {"answer": answer, "head": head, "rest": rest, "answer_token_share": share}
+
+
+def question_attentions(model, placed, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per layer ``[1, heads, Tq, total]``: the question's attention over a placed cache (a copy), computed
+    eagerly (sdpa returns no weights), the model's attention implementation restored after."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        return model.model(input_ids=q[None], past_key_values=copy.deepcopy(placed.cache), use_cache=True,
+                           output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def baseline(scorer: Scorer, items: list[tuple[Path, dict]], folder: Path, max_new_tokens: int) -> dict:
