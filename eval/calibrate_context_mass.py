@@ -70,9 +70,8 @@ def item_offsets(ctx: CachedContext, item) -> dict:
 def main(argv=None) -> int:
     from cag.models import registry
     from cag.progress import Progress
-    from eval.diagnose_length import CHUNK_TOKENS, needles, pair_arguments
+    from eval.diagnose_length import measurement_context, needles, pair_arguments
     from eval.harness import host_info
-    from eval.run import build_eval_store
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     pair_arguments(ap, n=6, lengths=[1024, 2048, 4096])
@@ -81,12 +80,8 @@ def main(argv=None) -> int:
 
     lm = registry.load(args.target, "auto")
     items = {length: needles(length, args.n, lm.tokenizer, seed_base=SEED_BASE) for length in args.lengths}
-    args.out.mkdir(parents=True, exist_ok=True)
-    store = args.out / "store"
-    build_eval_store([it for its in items.values() for it in its], store, args.source,
-                     chunk_tokens=CHUNK_TOKENS, progress=True)
-    ctx = CachedContext(store=store, target=args.target, mapper=args.method, translation_cache_mb=0,
-                        min_retention=0)
+    ctx = measurement_context([it for its in items.values() for it in its], args.out, args.source, args.target,
+                              args.method)
     mapper = ctx._ready()[1]
     rows_path = args.out / f"rows-{args.source}__{args.target}.jsonl"
     done = {json.loads(x)["id"] for x in rows_path.read_text().splitlines()} if rows_path.exists() else set()

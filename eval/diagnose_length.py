@@ -144,6 +144,16 @@ def translated_chunks(ctx: CachedContext, item) -> tuple[list[KVChunk], list]:
         return ctx._target_chunks(hits, Timings(), [])
 
 
+def measurement_context(items: list, out: Path, source: str, target: str, method: str) -> CachedContext:
+    """A `source` store of the items' documents in OUT/store (256-token chunks, as `cag build` makes
+    them) and the query path over it, without LRU or gate: what these scripts measure."""
+    from eval.run import build_eval_store
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_eval_store(items, out / "store", source, chunk_tokens=CHUNK_TOKENS, progress=True)
+    return CachedContext(store=out / "store", target=target, mapper=method, translation_cache_mb=0, min_retention=0)
+
+
 def pair_arguments(ap: argparse.ArgumentParser, *, n: int, lengths: list[int]) -> None:
     """The arguments every calibration-needle script here shares."""
     ap.add_argument("--source", default="smollm2-135m")
@@ -295,8 +305,6 @@ def main(argv=None) -> int:
     from cag.models import registry
     from cag.progress import Progress
     from eval.harness import host_info
-    from eval.run import build_eval_store
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     pair_arguments(ap, n=8, lengths=[1024, 2048, 4096])
     ap.add_argument("--max-new-tokens", type=int, default=12)
@@ -318,12 +326,8 @@ def main(argv=None) -> int:
 
     lm = registry.load(args.target, "auto")
     items = {length: needles(length, args.n, lm.tokenizer) for length in args.lengths}
-    args.out.mkdir(parents=True, exist_ok=True)
-    store = args.out / "store"
-    build_eval_store([it for its in items.values() for it in its], store, args.source,
-                     chunk_tokens=CHUNK_TOKENS, progress=True)
-    ctx = CachedContext(store=store, target=args.target, mapper=args.method, translation_cache_mb=0,
-                        min_retention=0)
+    ctx = measurement_context([it for its in items.values() for it in its], args.out, args.source, args.target,
+                              args.method)
     if args.key_correction:
         # A correction is fitted on top of one artifact; on another (e.g. the shipped map that
         # already carries it since `fit_key_correction.py --export`) it would be applied twice.

@@ -182,9 +182,8 @@ def record_lab(source: str, target: str, method: str, result_path: Path) -> int:
 def main(argv=None) -> int:
     from cag.models import registry
     from cag.progress import Progress
-    from eval.diagnose_length import CHUNK_TOKENS, pair_arguments
+    from eval.diagnose_length import measurement_context, pair_arguments
     from eval.harness import host_info
-    from eval.run import build_eval_store
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     pair_arguments(ap, n=24, lengths=[1024, 2048])
@@ -207,10 +206,7 @@ def main(argv=None) -> int:
 
     lm = registry.load(args.target, "auto")
     items = [it for length in args.lengths for it in training_needles(length, args.n, lm.tokenizer)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    build_eval_store(items, args.out / "store", args.source, chunk_tokens=CHUNK_TOKENS, progress=True)
-    ctx = CachedContext(store=args.out / "store", target=args.target, mapper=args.method, translation_cache_mb=0,
-                        min_retention=0)
+    ctx = measurement_context(items, args.out, args.source, args.target, args.method)
     _, mapper, asm = ctx._ready()
     with Progress("translating", total=len(items), unit="items", interval_s=20) as bar:
         placed = []
