@@ -56,13 +56,14 @@ POSITION_BUCKETS = ((0, 4), (4, 16), (16, 64), (64, 10**9))
 SEED_BASE = 300             # calib-needle seeds nobody else reads (gate 0, lab >= 100 and its items)
 
 
-def needles(length: int, n: int, tokenizer, seed_base: int = SEED_BASE) -> list:
-    """`n` calibration needles in windows of about `length` target tokens of the lab's held-out essays."""
+def needles(length: int, n: int, tokenizer, seed_base: int = SEED_BASE, essays: list[str] | None = None) -> list:
+    """`n` calibration needles in windows of about `length` target tokens of `essays` (default: the
+    lab's held-out essays, which its training rows never saw)."""
     from eval.calibration_lookup import calibration_needles
     from eval.datasets import essay_text
     from eval.lab.data import held_out_essays
 
-    essays = held_out_essays()
+    essays = essays or held_out_essays()
     words = {e: len(essay_text(e).split()) for e in essays}
     per_word = len(tokenizer(" ".join(essay_text(essays[0]).split()[:2000]))["input_ids"]) / 2000
     want = int(length / per_word)
@@ -90,10 +91,10 @@ def damped(chunks: list[KVChunk], keep: int | None, scale: float) -> list[KVChun
 
 def key_corrected(chunks: list[KVChunk], correction: tuple[torch.Tensor, torch.Tensor]) -> list[KVChunk]:
     """Translated chunks with `eval/fit_key_correction.py`'s ``k + (k A) B`` on their position-free keys."""
-    from eval.fit_key_correction import corrected
+    from mappers.bottleneck import corrected_keys
 
     a, b = correction
-    return [replace(c, keys=corrected(c.keys.float(), a, b)) for c in chunks]
+    return [replace(c, keys=corrected_keys(c.keys.float(), a, b)) for c in chunks]
 
 
 def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | None,

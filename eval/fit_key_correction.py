@@ -43,21 +43,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cag.context import CachedContext  # noqa: E402
+from mappers.bottleneck import corrected_keys  # noqa: E402  (the runtime's own correction)
 
 SEED_BASE = 700  # calib-needle seeds of this fit only (diagnosis 300, context mass 500)
 
 
 def training_needles(length: int, n: int, tokenizer) -> list:
     """`n` calibration needles in windows of about `length` target tokens of the lab's training essays."""
-    from eval.calibration_lookup import calibration_needles
-    from eval.datasets import essay_text
+    from eval.diagnose_length import needles
     from eval.lab.data import training_essays
 
-    essays = training_essays()
-    per_word = len(tokenizer(" ".join(essay_text(essays[0]).split()[:2000]))["input_ids"]) / 2000
-    want = int(length / per_word)
-    long_enough = [e for e in essays if len(essay_text(e).split()) >= want]
-    return calibration_needles(seed=SEED_BASE + length, n=n, words=want, essays=long_enough)
+    return needles(length, n, tokenizer, seed_base=SEED_BASE, essays=training_essays())
 
 
 @torch.no_grad()  # not inference_mode: the fit backpropagates through these keys
@@ -73,16 +69,9 @@ def translated_context(ctx: CachedContext, item) -> dict:
             "n_prefix": prefix.num_tokens, "question": item.question, "answer": item.answers[0]}
 
 
-def corrected(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The runtime's correction (`mappers.bottleneck.corrected_keys`), differentiable here."""
-    from mappers.bottleneck import corrected_keys
-
-    return corrected_keys(keys, a, b)
-
-
 def answer_nll(lm, asm, placed: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     keys, n = placed["keys"], placed["n_prefix"]
-    keys = torch.cat([keys[:, :, :n], corrected(keys[:, :, n:], a, b)], 2)   # the prompt head stays native
+    keys = torch.cat([keys[:, :, :n], corrected_keys(keys[:, :, n:], a, b)], 2)   # the prompt head stays native
     rotated = lm.adapter.rotate(keys.to(lm.dtype), torch.arange(keys.shape[2]))
     cache = lm.adapter.fill_cache(rotated, placed["values"].to(lm.dtype))
     q = asm.question_ids(placed["question"])
