@@ -37,7 +37,9 @@ Datasets (`get_dataset(name, *, seed=0, limit=None, **kw)`; names in `DATASETS`)
     A user's file, read by `load_jsonl`.
 
 ``limit`` keeps the first ``limit`` items; the document pool of a generated set is
-fixed before that, so a limited run asks fewer questions of the same store.
+fixed before that, so a limited run asks fewer questions of the same store. A
+``synthetic-kb`` limit above its default 40 questions asks more of the same pool
+(the first 40 are unchanged).
 
 JSONL format (`load_jsonl`, `save_jsonl`)
 -----------------------------------------
@@ -882,5 +884,7 @@ def get_dataset(name: str, *, seed: int = 0, limit: int | None = None, **kw) -> 
             raise ValueError(
                 f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or jsonl:<path>"
             ) from None
+        if name == "synthetic-kb" and limit is not None and limit > 40 and "n_questions" not in kw:
+            kw["n_questions"] = limit  # more questions of the same pool; the first 40 stay the same
         items = builder(seed=seed, **kw)
     return items if limit is None else items[:limit]

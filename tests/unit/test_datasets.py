@@ -43,6 +43,15 @@ def test_limit():
     assert document_pool(items) == document_pool(get_dataset("synthetic-kb"))
 
 
+def test_a_kb_limit_above_forty_asks_more_questions_of_the_same_pool():
+    """The issue bars ask n >= 50 of synthetic-kb; its default is 40 questions."""
+    default, more = get_dataset("synthetic-kb"), get_dataset("synthetic-kb", limit=50)
+    assert len(default) == 40 and len(more) == 50
+    assert [(i.id, i.question, i.answers) for i in more[:40]] == [(i.id, i.question, i.answers) for i in default]
+    assert document_pool(more) == document_pool(default)
+    assert len({i.id for i in more}) == 50
+
+
 # ---------------------------------------------------------------------------
 # synthetic-kb
 
