@@ -374,10 +374,11 @@ class CachedContext(BaseModel):
 
     # --------------------------------------------------------------- retrieval
 
-    def retrieve(self, question: str, top_k: int | None = None) -> list[Any]:
-        """The `top_k` best chunks for `question` (`stores.index.Hit`, best first)."""
+    def retrieve(self, question: str, top_k: int | None = None, *, doc_ids: list[str] | None = None) -> list[Any]:
+        """The `top_k` best chunks for `question` (`stores.index.Hit`, best first); with `doc_ids`,
+        only chunks of those documents."""
         _, index = self._current_view()
-        return index.search(question, top_k or self.top_k)
+        return index.search(question, top_k or self.top_k, doc_ids=doc_ids)
 
     # ------------------------------------------------------------------ answers
 

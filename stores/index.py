@@ -215,12 +215,21 @@ class VectorIndex:
 
     # ------------------------------------------------------------------ search
 
-    def search(self, query: str, k: int = 4) -> list[Hit]:
-        """The `k` rows most similar to `query`, best first."""
+    def search(self, query: str, k: int = 4, *, doc_ids: Iterable[str] | None = None) -> list[Hit]:
+        """The `k` rows most similar to `query`, best first; with `doc_ids`, only rows of those documents
+        (an evaluation question that brings its own document pool retrieves from that pool alone)."""
         if k <= 0 or not self._rows:
             return []
+        params = None
+        if doc_ids is not None:
+            wanted = set(doc_ids)
+            allowed = np.array([i for i, r in enumerate(self._rows) if r.doc_id in wanted], dtype=np.int64)
+            if allowed.size == 0:
+                return []
+            params = faiss.SearchParameters(sel=faiss.IDSelectorBatch(allowed))
+            k = min(k, int(allowed.size))
         q = self._embed([query])
-        scores, ids = self._index.search(q, min(k, len(self._rows)))
+        scores, ids = self._index.search(q, min(k, len(self._rows)), params=params)
         hits = []
         for score, i in zip(scores[0], ids[0]):
             if i < 0:

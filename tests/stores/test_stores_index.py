@@ -46,6 +46,19 @@ def test_add_search_remove(fake_embedder):
         assert idx.search(TEXTS[key], k=1)[0].key == key
 
 
+def test_search_within_some_documents_is_the_full_ranking_filtered(fake_embedder):
+    idx = VectorIndex(fake_embedder)
+    idx.add(rows("d1"))
+    idx.add([Row(key=f"b-{r.key}", doc_id="d2", text=r.text + " Again.", start=r.start, end=r.end) for r in rows()])
+    idx.remove(["fox"])  # positions shift: the filter must follow the rows, not their old places
+    full = idx.search("capital of France", k=len(idx))
+    for docs in (["d2"], ["d1"], ["d1", "d2"]):
+        want = [h for h in full if h.doc_id in docs]
+        assert idx.search("capital of France", k=3, doc_ids=docs) == want[:3]
+    assert idx.search("capital of France", k=10, doc_ids=["d2"]) == [h for h in full if h.doc_id == "d2"]
+    assert idx.search("capital of France", k=3, doc_ids=["nobody"]) == []
+
+
 def test_scores_are_cosine(fake_embedder):
     idx = VectorIndex(fake_embedder)
     idx.add(rows())

@@ -123,3 +123,21 @@ def test_run_eval_builds_its_store_in_the_dtype_asked(setup, tmp_path):
     finally:
         chunks.close()
     assert frames and {read_metadata(f)["dtype"] for f in frames} == {"int8"}
+
+
+def test_a_question_retrieves_from_its_own_pool_only(setup):
+    """`cag eval` puts every dataset in one store; a question that brings a pool must not read another's
+    documents (the needles' haystacks are cut from the essays essay-qa asks about)."""
+    from cag.context import CachedContext
+    from eval.run import build_eval_store
+
+    root, model, items = setup
+    build_eval_store(items, root / "store", model, chunk_tokens=32, embedder=HashEmbedder())
+    base = CachedContext(store=root / "store", target=model, mapper="identity", embedder=HashEmbedder(),
+                         dtype="float32", top_k=8)
+    runner = ItemRunner(base, {"identity": base}, max_new_tokens=6)
+    assert "d0" in {h.doc_id for h in runner.hits_for(items[0])}   # its question is about d0
+    own = Item("own", items[0].question, ("maps",), items[0].documents[1:], meta={"dataset": "toy"})
+    hits = runner.hits_for(own)
+    assert {h.doc_id for h in hits} == {"d1", "d2"}
+    assert hits == [h for h in base.retrieve(own.question, top_k=100) if h.doc_id != "d0"][:8]
