@@ -323,6 +323,11 @@ def main(argv=None) -> int:
         from safetensors.torch import load_file
 
         weights = load_file(str(args.key_correction))
+        meta = json.loads(args.key_correction.with_name(args.key_correction.name.replace(
+            ".safetensors", ".json")).read_text())
+        if "u" in weights or meta.get("started_from_artifact_correction"):
+            raise SystemExit(f"{args.key_correction} has a token part or continues the artifact's own correction: "
+                             "export it (fit_key_correction.py --export) and measure the shipped map")
         correction = (weights["a"], weights["b"])
 
     lm = registry.load(args.target, "auto")

@@ -20,6 +20,12 @@ from the shipped map. `--export` adds A and B to the shipped bottleneck artifact
 (`mappers/bottleneck.py` applies them after the map: 196 KB for Qwen2.5 at r = 8,
 and 4·r·D multiply-adds per key, nothing beside the map's own cost).
 
+``--token-rank R`` fits a token part with it: a rank-R change ``(f − f̄) U V + c`` per target layer of
+the artifact's token residual (f: the target's own direct path of tokens t, t−1, ... on keys and values),
+which is what copying a name or number out of the context reads. It has the residual's form, so
+`--export` folds it into ``tok_w``/``tok_mean_r``. A fit on an artifact that already carries a key
+correction continues it (A, B start there) instead of stacking a second one.
+
 Material: needles planted in the lab's **training** essays (seeds 700 +
 length; `eval/diagnose_length.py` tests on the held-out essays, seeds 300 +
 length). The last quarter of the items is held out of the fit and picks the
@@ -34,6 +40,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cag.context import CachedContext  # noqa: E402
-from mappers.bottleneck import corrected_keys  # noqa: E402  (the runtime's own correction)
+from mappers.bottleneck import corrected_keys, direct_features  # noqa: E402  (the runtime's own)
 
 SEED_BASE = 700  # calib-needle seeds of this fit only (diagnosis 300, context mass 500)
 
@@ -56,24 +63,66 @@ def training_needles(length: int, n: int, tokenizer) -> list:
     return needles(length, n, tokenizer, seed_base=SEED_BASE, essays=training_essays())
 
 
+@contextmanager
+def key_correction_off(mapper):
+    """Translate with the map alone: the fit starts from the artifact's correction, not on top of it."""
+    rank = mapper.settings.get("key_correction_rank", 0)
+    mapper.settings["key_correction_rank"] = 0
+    try:
+        yield
+    finally:
+        mapper.settings["key_correction_rank"] = rank
+
+
 @torch.no_grad()  # not inference_mode: the fit backpropagates through these keys
-def translated_context(ctx: CachedContext, item) -> dict:
-    """Position-free K/V ``[L, H, T, D]`` of prompt head + the item's translated chunks, in order."""
+def translated_context(ctx: CachedContext, item, *, token_window: int = 0) -> dict:
+    """Position-free K/V ``[L, H, T, D]`` of prompt head + the item's translated chunks, in order, the
+    keys before the artifact's key correction; with ``token_window`` > 0 also the target's direct-path
+    features of the translated tokens (`mappers.bottleneck.direct_features`, centred as the artifact's
+    token residual centres them), which the token part of the correction reads."""
     from eval.diagnose_length import translated_chunks
 
-    _, _, asm = ctx._ready()
-    chunks, _ = translated_chunks(ctx, item)
+    _, mapper, asm = ctx._ready()
+    with key_correction_off(mapper):
+        chunks, _ = translated_chunks(ctx, item)
     prefix = asm.prefix()
-    return {"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
-            "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
-            "n_prefix": prefix.num_tokens, "question": item.question, "answer": item.answers[0]}
+    placed = {"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
+              "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
+              "n_prefix": prefix.num_tokens, "question": item.question, "answer": item.answers[0]}
+    if token_window:
+        mean_f = mapper.weights["tok_mean_f"]
+        # bf16 on purpose: 24 KB a token for Qwen2.5 instead of 49, and only the correction reads it
+        placed["features"] = torch.cat([direct_features(ctx.target_model, c.token_ids, token_window)
+                                        - mean_f[:, None, :] for c in chunks], 1).to(torch.bfloat16)
+    return placed
 
 
-def answer_nll(lm, asm, placed: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    keys, n = placed["keys"], placed["n_prefix"]
-    keys = torch.cat([keys[:, :, :n], corrected_keys(keys[:, :, n:], a, b)], 2)   # the prompt head stays native
+def feature_scale(features: list[torch.Tensor]) -> torch.Tensor:
+    """``[L, F]``: the root mean square of each (already centred) token feature over the given items."""
+    total = sum((f.float() ** 2).sum(1) for f in features)
+    count = sum(f.shape[1] for f in features)
+    return (total / count).sqrt().clamp_min(1e-6)
+
+
+def token_delta(features: torch.Tensor, w: dict, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token part ``(f − f̄) U V + c`` per layer, split into keys and values ``[L, H, T, D]``:
+    the same form as the artifact's token residual, so `export` folds it into ``tok_w``/``tok_mean_r``."""
+    r = torch.bmm(torch.bmm(features.float(), w["u"]), w["v"]) + w["c"][:, None, :]     # [L, T, 2HD]
+    hd = r.shape[-1] // 2
+    shape = (r.shape[0], r.shape[1], num_kv_heads, hd // num_kv_heads)
+    return (r[..., :hd].reshape(shape).permute(0, 2, 1, 3), r[..., hd:].reshape(shape).permute(0, 2, 1, 3))
+
+
+def answer_nll(lm, asm, placed: dict, w: dict) -> torch.Tensor:
+    n = placed["n_prefix"]
+    keys, values = placed["keys"][:, :, n:], placed["values"][:, :, n:]
+    if "u" in w:
+        dk, dv = token_delta(placed["features"], w, keys.shape[1])
+        keys, values = keys + dk, values + dv
+    keys = torch.cat([placed["keys"][:, :, :n], corrected_keys(keys, w["a"], w["b"])], 2)  # the head stays native
+    values = torch.cat([placed["values"][:, :, :n], values], 2)
     rotated = lm.adapter.rotate(keys.to(lm.dtype), torch.arange(keys.shape[2]))
-    cache = lm.adapter.fill_cache(rotated, placed["values"].to(lm.dtype))
+    cache = lm.adapter.fill_cache(rotated, values.to(lm.dtype))
     q = asm.question_ids(placed["question"])
     gold = lm.tokenize(placed["answer"] if asm.layout.chat else " " + placed["answer"])[0]
     hidden = lm.model.model(input_ids=torch.cat([q, gold[:-1]])[None], past_key_values=cache,
@@ -81,37 +130,69 @@ def answer_nll(lm, asm, placed: dict, a: torch.Tensor, b: torch.Tensor) -> torch
     return torch.nn.functional.cross_entropy(lm.model.lm_head(hidden[0, -gold.numel():]).float(), gold)
 
 
-def fit(lm, asm, train: list[dict], held: list[dict], *, rank: int, epochs: int, lr: float, l2: float,
-        progress=None) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+def initial_weights(lm, *, rank: int, token_rank: int = 0, feature_width: int = 0,
+                    start: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A and B (from ``start``, the artifact's own correction, or B = 0: the map itself), and with
+    ``token_rank`` the token part U, V, c with V = c = 0. Every start is exactly what is shipped."""
     fp = lm.fingerprint
-    d = train[0]["keys"].shape[-1]
     g = torch.Generator().manual_seed(0)
-    a = (torch.randn(fp.num_layers, fp.num_kv_heads, d, rank, generator=g) / d ** 0.5).requires_grad_(True)
-    b = torch.zeros(fp.num_layers, fp.num_kv_heads, rank, d, requires_grad=True)
-    opt = torch.optim.Adam([a, b], lr=lr)
+    d = fp.head_dim
+    if start is not None:
+        w = {"a": start[0].float().clone(), "b": start[1].float().clone()}
+    else:
+        w = {"a": torch.randn(fp.num_layers, fp.num_kv_heads, d, rank, generator=g) / d ** 0.5,
+             "b": torch.zeros(fp.num_layers, fp.num_kv_heads, rank, d)}
+    if token_rank:
+        hd2 = 2 * fp.num_kv_heads * d
+        w.update(u=torch.randn(fp.num_layers, feature_width, token_rank, generator=g) / feature_width ** 0.5,
+                 v=torch.zeros(fp.num_layers, token_rank, hd2), c=torch.zeros(fp.num_layers, hd2))
+    return {k: t.requires_grad_(True) for k, t in w.items()}
+
+
+def fit(lm, asm, train: list[dict], held: list[dict], weights: dict[str, torch.Tensor], *, epochs: int, lr: float,
+        l2: float, token_lr: float | None = None, progress=None) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Adam on the gold answers' NLL through the frozen target; the epoch with the lowest held-out NLL
+    (epoch 0: the starting weights) is returned. ``token_lr``: the token part's own step size."""
+    groups = [{"params": [weights["a"], weights["b"]], "lr": lr}]
+    if "u" in weights:
+        groups.append({"params": [weights["u"], weights["v"], weights["c"]], "lr": token_lr or lr})
+    opt = torch.optim.Adam(groups)
     frozen = [(p, p.requires_grad) for p in lm.model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
     try:
-        return _fit_loop(lm, asm, train, held, a, b, opt, g, epochs=epochs, l2=l2, progress=progress)
+        return _fit_loop(lm, asm, train, held, weights, opt, epochs=epochs, l2=l2, progress=progress)
     finally:
         for p, flag in frozen:  # the caller's model is left as it was
             p.requires_grad_(flag)
 
 
-def _fit_loop(lm, asm, train, held, a, b, opt, g, *, epochs: int, l2: float, progress):
+def _penalty(w: dict, start: dict) -> torch.Tensor:
+    """||A B − A₀ B₀||² + ||U V||²: the size of what the fit adds to the starting weights."""
+    out = ((w["a"] @ w["b"] - start["a"] @ start["b"]) ** 2).sum()
+    if "u" in w:
+        out = out + ((w["u"] @ w["v"]) ** 2).sum()
+    return out
+
+
+def _fit_loop(lm, asm, train, held, w, opt, *, epochs: int, l2: float, progress):
     def held_nll() -> float:
         with torch.no_grad():
-            return sum(float(answer_nll(lm, asm, p, a, b)) for p in held) / max(1, len(held))
+            return sum(float(answer_nll(lm, asm, p, w)) for p in held) / max(1, len(held))
 
-    history = [{"epoch": 0, "held_nll": held_nll()}]            # the shipped map, B = 0
-    best = (history[0]["held_nll"], 0, a.detach().clone(), b.detach().clone())
+    def snapshot() -> dict:
+        return {k: t.detach().clone() for k, t in w.items()}
+
+    g = torch.Generator().manual_seed(0)
+    start = snapshot()
+    history = [{"epoch": 0, "held_nll": held_nll()}]            # the starting weights
+    best = (history[0]["held_nll"], 0, start)
     for epoch in range(1, epochs + 1):
         total = 0.0
         for i in torch.randperm(len(train), generator=g).tolist():
-            loss = answer_nll(lm, asm, train[i], a, b)
+            loss = answer_nll(lm, asm, train[i], w)
             opt.zero_grad()
-            (loss + l2 * ((a @ b) ** 2).sum()).backward()
+            (loss + l2 * _penalty(w, start)).backward()
             opt.step()
             total += float(loss.detach())
             if progress is not None:
@@ -119,28 +200,39 @@ def _fit_loop(lm, asm, train, held, a, b, opt, g, *, epochs: int, l2: float, pro
         # train NLL is the running mean while fitting; held NLL is after the epoch
         history.append({"epoch": epoch, "train_nll": total / len(train), "held_nll": held_nll()})
         if history[-1]["held_nll"] < best[0]:
-            best = (history[-1]["held_nll"], epoch, a.detach().clone(), b.detach().clone())
-    return best[2], best[3], history + [{"chosen_epoch": best[1]}]
+            best = (history[-1]["held_nll"], epoch, snapshot())
+    return best[2], history + [{"chosen_epoch": best[1]}]
 
 
-def export(source: str, target: str, method: str, out: Path) -> int:
+def fold_into(mapper, weights: dict[str, torch.Tensor]) -> None:
+    """Install a fitted correction in a bottleneck mapper: A and B as its key correction, and the token
+    part, which has the token residual's form, folded into ``tok_w`` and ``tok_mean_r`` (no new tensors)."""
+    tensors = {**mapper.weights, "key_a": weights["a"], "key_b": weights["b"]}
+    if "u" in weights:
+        tensors["tok_w"] = mapper.weights["tok_w"] + weights["u"] @ weights["v"]
+        tensors["tok_mean_r"] = mapper.weights["tok_mean_r"] + weights["c"]
+    mapper.settings["key_correction_rank"] = int(weights["a"].shape[-1])
+    mapper.set_weights(**tensors)
+
+
+def export(source: str, target: str, method: str, out: Path, tag: str = "") -> int:
     """Add the fitted correction to the shipped artifact it was fitted on (same folder: it replaces it)."""
     from safetensors.torch import load_file
 
     from mappers.base import load_mapper
 
     stem = f"{source}__{target}__{method}"
-    meta = json.loads((out / f"{stem}.json").read_text())
-    weights = load_file(str(out / f"{stem}.safetensors"))
+    meta = json.loads((out / f"{stem}{tag}.json").read_text())
+    weights = load_file(str(out / f"{stem}{tag}.safetensors"))
     folder = ROOT / "mappers" / "pretrained" / stem
     mapper = load_mapper(folder)
     if mapper.artifact_id != meta["mapper_artifact"]:
         raise SystemExit(f"{folder} is artifact {mapper.artifact_id}; the correction was fitted on "
                          f"{meta['mapper_artifact']}: fit it again")
-    mapper.settings["key_correction_rank"] = int(meta["rank"])
-    mapper.set_weights(**mapper.weights, key_a=weights["a"], key_b=weights["b"])
+    fold_into(mapper, weights)
     mapper.fitted_on["key_correction"] = {k: meta[k] for k in ("command", "date", "host", "mapper_artifact", "rank",
-                                                             "lengths", "n_per_length", "seed_base", "history")}
+                                                             "token_rank", "lengths", "n_per_length", "seed_base",
+                                                             "history") if k in meta}
     # Lookup records were measured without the correction; they are measured again, not carried over.
     mapper.fidelity = {k: v for k, v in mapper.fidelity.items() if k not in ("lab_lookup", "lookup", "lookup_repair")}
     mapper.save(folder)
@@ -176,11 +268,17 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     pair_arguments(ap, n=24, lengths=[1024, 2048])
-    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=8, help="rank of the key correction (the artifact's own, if it has one)")
+    ap.add_argument("--token-rank", type=int, default=0, help="rank of a token part fitted with it: a change of the "
+                    "artifact's token residual (the target's direct path of tokens t, t-1, ...), which carries which "
+                    "token sits where, read when an answer is copied; 0: keys only")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--token-lr", type=float, default=3e-4, help="step size of the token part (its features are "
+                    "standardised; at the keys' 2e-3 its first epoch undid the map: eval/results/key_correction)")
     ap.add_argument("--l2", type=float, default=1e-3, help="penalty on the correction's size, ||A B||²")
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "key_correction")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names (OUT/<pair>__<method><tag>.*)")
     ap.add_argument("--export", action="store_true", help="write the fitted correction (OUT) into the shipped "
                     "artifact in mappers/pretrained instead of fitting; its lookup records are dropped, to be "
                     "measured again (eval/gate_fidelity.py, translation_lab.py run --variants shipped)")
@@ -189,7 +287,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.export:
-        return export(args.source, args.target, args.method, args.out)
+        return export(args.source, args.target, args.method, args.out, args.tag)
     if args.record_lab:
         return record_lab(args.source, args.target, args.method, args.record_lab)
 
@@ -197,24 +295,40 @@ def main(argv=None) -> int:
     items = [it for length in args.lengths for it in training_needles(length, args.n, lm.tokenizer)]
     ctx = measurement_context(items, args.out, args.source, args.target, args.method)
     _, mapper, asm = ctx._ready()
+    start = None
+    if getattr(mapper, "key_correction_rank", 0):  # continue the artifact's correction, never stack a second
+        start = (mapper.weights["key_a"], mapper.weights["key_b"])
+        args.rank = mapper.key_correction_rank
+    window = mapper.token_window if args.token_rank else 0
+    if args.token_rank and not mapper.token_residual:
+        raise SystemExit(f"{args.method} artifact has no token residual for --token-rank to change")
     with Progress("translating", total=len(items), unit="items", interval_s=20) as bar:
         placed = []
         for it in items:
-            placed.append(translated_context(ctx, it))
+            placed.append(translated_context(ctx, it, token_window=window))
             bar.advance(1)
     # Hold out every fourth item (all lengths represented) to choose the epoch.
     held = [p for i, p in enumerate(placed) if i % 4 == 3]
     train = [p for i, p in enumerate(placed) if i % 4 != 3]
+    if window:  # standardise the token features (per layer and feature, training items); U absorbs it below
+        sigma = feature_scale([p["features"] for p in train])
+        for p in placed:
+            p["features"] = (p["features"].float() / sigma[:, None]).to(torch.bfloat16)
+    weights = initial_weights(lm, rank=args.rank, token_rank=args.token_rank, start=start,
+                              feature_width=placed[0]["features"].shape[-1] if window else 0)
     with Progress("key correction", total=args.epochs * len(train), unit="steps", interval_s=20) as bar:
-        a, b, history = fit(lm, asm, train, held, rank=args.rank, epochs=args.epochs, lr=args.lr, l2=args.l2,
-                            progress=bar)
-    stem = f"{args.source}__{args.target}__{args.method}"   # not Path.with_suffix: "qwen2.5" has a dot
-    save_file({"a": a.contiguous(), "b": b.contiguous()}, str(args.out / f"{stem}.safetensors"))
+        weights, history = fit(lm, asm, train, held, weights, epochs=args.epochs, lr=args.lr, l2=args.l2,
+                               token_lr=args.token_lr, progress=bar)
+    if window:  # on the artifact's own (unstandardised) features, as `export` folds it
+        weights["u"] = weights["u"] / sigma[:, :, None]
+    stem = f"{args.source}__{args.target}__{args.method}{args.tag}"   # not with_suffix: "qwen2.5" has a dot
+    save_file({k: t.contiguous() for k, t in weights.items()}, str(args.out / f"{stem}.safetensors"))
     meta = {"source": args.source, "target": args.target, "method": args.method,
             "mapper_artifact": getattr(mapper, "artifact_id", args.method), "rank": args.rank,
+            "token_rank": args.token_rank, "started_from_artifact_correction": start is not None,
             "lengths": args.lengths, "n_per_length": args.n, "train_items": len(train), "held_items": len(held),
-            "seed_base": SEED_BASE, "lr": args.lr, "l2": args.l2, "history": history,
-            "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "seed_base": SEED_BASE, "lr": args.lr, "token_lr": args.token_lr, "l2": args.l2, "history": history,
+            "tag": args.tag, "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
             "host": host_info().get("cpu", "")}
     (args.out / f"{stem}.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(json.dumps(history))

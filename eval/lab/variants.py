@@ -3,6 +3,7 @@
 A variant's name is its recipe, levers joined by ``+``::
 
     shipped                 the mapper `auto` ships today (`mappers/pretrained`), for reference
+    shipped-<method>        the shipped artifact of one method (a refit is scored before `auto` ranks it)
     ridge                   one ridge map from all source layers' K and V (standardised) to every
                             target layer's K and V, full rank
     pca<r>                  the same through a shared per-token bottleneck: the top r principal
@@ -390,16 +391,16 @@ def reduce_rank(basis: Basis, coef: torch.Tensor, r: int,
 
 
 class ShippedVariant(Variant):
-    """What `mapper="auto"` ships today, translating the source's own chunk."""
+    """What `mapper="auto"` (or one shipped method) translates the source's own chunk with."""
 
-    def __init__(self, source, target) -> None:
+    def __init__(self, source, target, method: str = "auto") -> None:
         from cag.mapping import resolve_mapper
 
-        self.source = source
-        self.mapper = resolve_mapper("auto", source.fingerprint, target)
+        self.source, self.asked = source, method
+        self.mapper = resolve_mapper(method, source.fingerprint, target)
 
     def describe(self) -> str:
-        return f"shipped auto mapper: {self.mapper.method} ({self.mapper.artifact_id})"
+        return f"shipped {self.asked} mapper: {self.mapper.method} ({self.mapper.artifact_id})"
 
     def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.source.prefill(item["text"])
@@ -560,6 +561,8 @@ _LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|tok[0-9]*|cal)$")
 def make(name: str, lab: Path, source, target) -> Variant:
     if name == "shipped":
         return ShippedVariant(source, target)
+    if name.startswith("shipped-"):
+        return ShippedVariant(source, target, name.split("-", 1)[1])
     base, *levers = name.split("+")
     rank = output_rank = None
     if re.fullmatch(r"pca[0-9]+", base):

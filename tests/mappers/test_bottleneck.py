@@ -243,19 +243,74 @@ def test_a_key_correction_of_the_wrong_shape_is_refused(fitted, gemma2tok):
                              torch.zeros(fp.num_layers, fp.num_kv_heads, 3, fp.head_dim))
 
 
-def test_the_key_correction_fit_lowers_the_answer_nll_on_a_tiny_pair(fitted, llama, gemma2tok, texts):
-    from cag.assembler import Assembler
-    from cag.prompt import layout_for
-    from eval.fit_key_correction import fit
+def _placed(mapper, llama, target, texts, asm, token_window=0):
+    """`fit_key_correction.translated_context`'s items, on the tiny pair: prompt head + two translated chunks."""
+    from mappers.bottleneck import direct_features
 
-    _, mapper = fitted
-    asm = Assembler(gemma2tok, layout_for(gemma2tok.tokenizer))
     prefix = asm.prefix()
     items = []
     for i in range(3):
-        chunks = mapper.translate_batch([llama.prefill(t) for t in texts[i:i + 2]], texts[i:i + 2], gemma2tok)
-        items.append({"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
-                      "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
-                      "n_prefix": prefix.num_tokens, "question": f"What is item {i}?", "answer": texts[i].split()[3]})
-    _, _, history = fit(gemma2tok, asm, items, items, rank=2, epochs=3, lr=0.02, l2=0.0)
-    assert history[-2]["held_nll"] < history[0]["held_nll"] - 0.01
+        chunks = mapper.translate_batch([llama.prefill(t) for t in texts[i:i + 2]], texts[i:i + 2], target)
+        item = {"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
+                "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
+                "n_prefix": prefix.num_tokens, "question": f"What is item {i}?", "answer": texts[i].split()[3]}
+        if token_window:
+            mean_f = mapper.weights["tok_mean_f"]
+            item["features"] = torch.cat([direct_features(target, c.token_ids, token_window) - mean_f[:, None]
+                                          for c in chunks], 1)
+        items.append(item)
+    return items
+
+
+def _assembler(target):
+    from cag.assembler import Assembler
+    from cag.prompt import layout_for
+
+    return Assembler(target, layout_for(target.tokenizer))
+
+
+def test_the_key_correction_fit_lowers_the_answer_nll_on_a_tiny_pair(fitted, llama, gemma2tok, texts):
+    from eval.fit_key_correction import fit, initial_weights
+
+    _, mapper = fitted
+    asm = _assembler(gemma2tok)
+    items = _placed(mapper, llama, gemma2tok, texts, asm)
+    weights = initial_weights(gemma2tok, rank=2)
+    _, history = fit(gemma2tok, asm, items, items, weights, epochs=3, lr=0.02, l2=0.0)
+    assert history[0]["held_nll"] > history[-2]["held_nll"] + 0.01
+
+
+def _with_token_residual(mapper, target, window, seed=3):
+    fp = target.fingerprint
+    hd = fp.num_kv_heads * fp.head_dim
+    g = torch.Generator().manual_seed(seed)
+    out = BottleneckMapper(mapper.source, mapper.target,
+                           {**mapper.settings, "token_residual": True, "token_window": window})
+    out.set_weights(**mapper.weights, tok_w=0.05 * torch.randn(fp.num_layers, 2 * window * hd, 2 * hd, generator=g),
+                    tok_mean_f=torch.randn(fp.num_layers, 2 * window * hd, generator=g),
+                    tok_mean_r=0.1 * torch.randn(fp.num_layers, 2 * hd, generator=g))
+    return out
+
+
+def test_the_token_part_lowers_the_nll_and_folds_into_the_token_residual(fitted, llama, gemma2tok, texts):
+    """Keys and the target's direct path of tokens t, t-1 fitted together through the frozen target;
+    what the fit scored is what the exported artifact translates."""
+    from eval.fit_key_correction import fit, fold_into, initial_weights, token_delta
+    from mappers.bottleneck import corrected_keys
+
+    mapper = _with_token_residual(fitted[1], gemma2tok, window=2)
+    asm = _assembler(gemma2tok)
+    items = _placed(mapper, llama, gemma2tok, texts, asm, token_window=2)
+    weights = initial_weights(gemma2tok, rank=2, token_rank=3, feature_width=items[0]["features"].shape[-1])
+    w, history = fit(gemma2tok, asm, items, items, weights, epochs=3, lr=0.02, l2=0.0)
+    assert history[0]["held_nll"] > history[-2]["held_nll"] + 0.01
+    assert w["v"].abs().sum() > 0 and w["c"].abs().sum() > 0   # the token part moved, not only the keys
+    fold_into(mapper, w)
+    assert mapper.key_correction_rank == 2
+    again = _placed(mapper, llama, gemma2tok, texts, asm)   # the exported map, translated by the runtime
+    n = items[0]["n_prefix"]
+    for scored, exported in zip(items, again):
+        dk, dv = token_delta(scored["features"], w, gemma2tok.fingerprint.num_kv_heads)
+        want_k = corrected_keys(scored["keys"][:, :, n:] + dk, w["a"], w["b"])
+        torch.testing.assert_close(exported["keys"][:, :, n:], want_k, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(exported["values"][:, :, n:], scored["values"][:, :, n:] + dv, rtol=2e-2, atol=2e-2)
