@@ -16,7 +16,9 @@ each prefilled after the prompt head, as `cag build` makes them):
   the fact's own chunk that fails, or the translated neighbours that drown it?
 - ``K translated, V native`` and ``K native, V translated``: which half breaks;
 - ``translated, first 8 native``: each chunk's first 8 tokens native (a chunk-start
-  artefact of translation would show here).
+  artefact of translation would show here);
+- ``K native in layers a-b, rest translated``: native keys in one quarter of the target's layers
+  at a time, translated elsewhere (which layers' translated keys lose the fact).
 
 Per condition: found, token F1, the gold answer's log-likelihood (teacher-forced),
 and where the question's attention goes per layer (the prompt head, the needle's
@@ -51,6 +53,7 @@ from eval.lab.score import question_attentions  # noqa: E402
 
 CHUNK_TOKENS = 256          # the store's default chunk size (`cag build`)
 FIRST_K = 8
+LAYER_GROUPS = 4            # "K native in layers a-b": the target's layers in this many groups
 CRUX_KEY_SCALE = 0.3        # eval/results/crux_key_scale.md: chosen for Qwen2.5 on 50 calib-lookup items
 POSITION_BUCKETS = ((0, 4), (4, 16), (16, 64), (64, 10**9))
 SEED_BASE = 300             # calib-needle seeds nobody else reads (gate 0, lab >= 100 and its items)
@@ -123,6 +126,13 @@ def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | 
     if top is not None:
         out[f"translated, others' keys x{CRUX_KEY_SCALE} (retriever top)"] = damped(out["translated"], top,
                                                                                  CRUX_KEY_SCALE)
+    # Which layers' translated keys lose the fact: native keys in one quarter of the layers at a time.
+    layers = natives[0].keys.shape[0]
+    for lo in range(0, layers, -(-layers // LAYER_GROUPS)):
+        hi = min(layers, lo - (-layers // LAYER_GROUPS))
+        out[f"K native in layers {lo}-{hi - 1}, rest translated"] = [
+            replace(t, keys=torch.cat([t.keys[:lo].float(), n.keys[lo:hi].float(), t.keys[hi:].float()]))
+            for n, t in zip(natives, out["translated"])]
     if correction is not None:
         out["translated + key correction"] = key_corrected(out["translated"], correction)
         if needle is not None:
