@@ -128,8 +128,9 @@ def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | 
                                                                                  CRUX_KEY_SCALE)
     # Which layers' translated keys lose the fact: native keys in one quarter of the layers at a time.
     layers = natives[0].keys.shape[0]
-    for lo in range(0, layers, -(-layers // LAYER_GROUPS)):
-        hi = min(layers, lo - (-layers // LAYER_GROUPS))
+    step = -(-layers // LAYER_GROUPS)  # ceil: Gemma-3's 18 layers in groups of 5, 5, 5, 3
+    for lo in range(0, layers, step):
+        hi = min(layers, lo + step)
         out[f"K native in layers {lo}-{hi - 1}, rest translated"] = [
             replace(t, keys=torch.cat([t.keys[:lo].float(), n.keys[lo:hi].float(), t.keys[hi:].float()]))
             for n, t in zip(natives, out["translated"])]
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="", help="results-<tag>.jsonl beside the first run's results")
     args = ap.parse_args(argv)
     offsets = torch.tensor(json.loads(args.offsets.read_text())["offset"]) if args.offsets else None
-    correction = None
+    correction = meta = None
     if args.key_correction:
         from safetensors.torch import load_file
 
@@ -344,11 +345,10 @@ def main(argv=None) -> int:
     items = {length: needles(length, args.n, lm.tokenizer) for length in args.lengths}
     ctx = measurement_context([it for its in items.values() for it in its], args.out, args.source, args.target,
                               args.method)
-    if args.key_correction:
+    if meta is not None:
         # A correction is fitted on top of one artifact; on another (e.g. the shipped map that
         # already carries it since `fit_key_correction.py --export`) it would be applied twice.
-        fitted_on = json.loads(args.key_correction.with_name(args.key_correction.name.replace(
-            ".safetensors", ".json")).read_text())["mapper_artifact"]
+        fitted_on = meta["mapper_artifact"]
         artifact = getattr(ctx._ready()[1], "artifact_id", None)
         if artifact != fitted_on:
             raise SystemExit(f"{args.key_correction} was fitted on mapper artifact {fitted_on}; this run's "

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cag.context import CachedContext  # noqa: E402
-from mappers.bottleneck import corrected_keys, direct_features  # noqa: E402  (the runtime's own)
+from mappers.bottleneck import corrected_keys, direct_features, split_residual  # noqa: E402  (the runtime's own)
 
 SEED_BASE = 700  # calib-needle seeds of this fit only (diagnosis 300, context mass 500)
 
@@ -107,10 +107,7 @@ def feature_scale(features: list[torch.Tensor]) -> torch.Tensor:
 def token_delta(features: torch.Tensor, w: dict, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The token part ``(f − f̄) U V + c`` per layer, split into keys and values ``[L, H, T, D]``:
     the same form as the artifact's token residual, so `export` folds it into ``tok_w``/``tok_mean_r``."""
-    r = torch.bmm(torch.bmm(features.float(), w["u"]), w["v"]) + w["c"][:, None, :]     # [L, T, 2HD]
-    hd = r.shape[-1] // 2
-    shape = (r.shape[0], r.shape[1], num_kv_heads, hd // num_kv_heads)
-    return (r[..., :hd].reshape(shape).permute(0, 2, 1, 3), r[..., hd:].reshape(shape).permute(0, 2, 1, 3))
+    return split_residual(torch.bmm(torch.bmm(features.float(), w["u"]), w["v"]) + w["c"][:, None, :], num_kv_heads)
 
 
 def answer_nll(lm, asm, placed: dict, w: dict) -> torch.Tensor:

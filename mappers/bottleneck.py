@@ -67,11 +67,15 @@ def token_residual(target, ids: torch.Tensor, w: torch.Tensor, mean_f: torch.Ten
     """The direct-path correction of keys and of values ``[L, H, T, D]``: per layer l,
     ``(f_l − mean_f_l) · w_l + mean_r_l`` over `direct_features` f (its token window is
     w's width over 2·H·D)."""
-    fp = target.fingerprint
-    hd = fp.num_kv_heads * fp.head_dim
+    hd = target.fingerprint.num_kv_heads * target.fingerprint.head_dim
     f = direct_features(target, ids, w.shape[1] // (2 * hd)) - mean_f[:, None, :]         # [L, T, window·2HD]
-    r = torch.bmm(f, w) + mean_r[:, None, :]                                              # [L, T, 2HD]
-    shape = (fp.num_layers, -1, fp.num_kv_heads, fp.head_dim)
+    return split_residual(torch.bmm(f, w) + mean_r[:, None, :], target.fingerprint.num_kv_heads)
+
+
+def split_residual(r: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[L, T, 2·H·D]`` per-layer rows (keys, then values) → keys, values ``[L, H, T, D]``."""
+    hd = r.shape[-1] // 2
+    shape = (r.shape[0], r.shape[1], num_kv_heads, hd // num_kv_heads)
     return r[..., :hd].reshape(shape).permute(0, 2, 1, 3), r[..., hd:].reshape(shape).permute(0, 2, 1, 3)
 
 
