@@ -183,6 +183,25 @@ def calibration_lookup(*, seed: int = 0, n_docs: int = 36, n_questions: int = 60
     return items
 
 
+def _window(rng: random.Random, text: list[str], words: int) -> list[str]:
+    start = rng.randint(0, max(0, len(text) - words))
+    return text[start:start + words]
+
+
+def _plant(rng: random.Random, window: list[str], sentence: str) -> tuple[str, float]:
+    """`window` with `sentence` inserted between its first and last fifth; (text, depth)."""
+    at = rng.randint(len(window) // 5, 4 * len(window) // 5)
+    return " ".join(window[:at] + [sentence] + window[at:]), at / max(1, len(window))
+
+
+def _essay_words(essays: list[str] | None) -> list[list[str]]:
+    allowed = set(calibration_essays())
+    chosen = list(essays) if essays is not None else sorted(allowed)
+    if not chosen or not set(chosen) <= allowed:
+        raise ValueError(f"needles are planted in calibration essays only; not: {sorted(set(chosen) - allowed)}")
+    return [normalize_ws(essay_text(e)).split(" ") for e in chosen]
+
+
 def calibration_needles(*, seed: int = 0, n: int = 12, words: int = 700,
                         essays: list[str] | None = None) -> list[QAItem]:
     """One planted fact per item in a window of a calibration essay (whole-document context).
@@ -192,26 +211,82 @@ def calibration_needles(*, seed: int = 0, n: int = 12, words: int = 700,
     rng = random.Random(f"{DATASET}-needle:{seed}")
     names = _Names(rng)
     names.used.extend(_reserved_names())
-    allowed = set(calibration_essays())
-    chosen = list(essays) if essays is not None else sorted(allowed)
-    if not chosen or not set(chosen) <= allowed:
-        raise ValueError(f"needles are planted in calibration essays only; not: {sorted(set(chosen) - allowed)}")
-    essays = [normalize_ws(essay_text(e)).split(" ") for e in chosen]
+    essays = _essay_words(essays)
     items = []
     for k in range(n):
-        text = essays[k % len(essays)]
-        start = rng.randint(0, max(0, len(text) - words))
-        window = text[start:start + words]
+        window = _window(rng, essays[k % len(essays)], words)
         kind = rng.choice(list(_KINDS))
         fact = rng.choice(_KINDS[kind][1])
         subject = _SUBJECT[kind].format(N=names.take(n_syll=(2, 3)))
         value, answers = _value(fact, rng, names)
         sentence = rng.choice(_FACTS[fact][0]).format(S=subject[0].upper() + subject[1:], s=subject, V=value)
-        at = rng.randint(len(window) // 5, 4 * len(window) // 5)
-        body = " ".join(window[:at] + [sentence] + window[at:])
+        body, depth = _plant(rng, window, sentence)
         items.append(QAItem(
             id=f"{DATASET}-needle-s{seed}-{k:03d}", question=_FACTS[fact][1].format(s=subject),
             answers=answers, documents=(Document(f"calib-needle{seed}-{k:03d}", body),), context="all",
-            meta={"dataset": f"{DATASET}-needle", "fact_type": fact, "depth": at / max(1, len(window))},
+            meta={"dataset": f"{DATASET}-needle", "fact_type": fact, "depth": depth},
+        ))
+    return items
+
+
+# Answers that must be copied character by character: register codes, call signs, archive numbers,
+# invented multi-part names and words. `calibration_needles` asks mostly for common words and plain
+# numbers, which a translated cache can get right by guessing near the value; the evaluation needles
+# ask for passphrases, codes and invented names, and a map fitted on the former copied the latter
+# wrong (eval/results/length_diagnosis/FINDINGS.md). Own templates and formats: none is an
+# evaluation template, and no value is drawn from an evaluation word list (tested).
+_CODE_FACTS = {
+    "register": (["{S} is entered in the district register as {V}.", "The district register lists {s} as {V}."],
+                 "Under which entry of the district register is {s} recorded?"),
+    "callsign": (["{S} answers the radio to the call sign {V}.", "The radio call sign of {s} is {V}."],
+                 "What is the radio call sign of {s}?"),
+    "archive": (["The county archive files {s} under the number {V}.", "The county archive number of {s} is {V}."],
+                "Under which number does the county archive file {s}?"),
+    "surveyor": (["{S} was first mapped by the surveyor {V}.", "The surveyor {V} first mapped {s}."],
+                 "Which surveyor first mapped {s}?"),
+    "oldname": (["Before 1900 {s} was known as {V}.", "The name of {s} before 1900 was {V}."],
+                "What was {s} called before 1900?"),
+    "motto": (["The motto painted over the door of {s} reads {V}.", "Over the door of {s} is painted the motto {V}."],
+              "Which motto is painted over the door of {s}?"),
+}
+_CODE_LETTERS = "BCDFGHJKLMNPRSTVWXZ"
+
+
+def _code_value(fact: str, rng: random.Random, names: _Names) -> str:
+    letters = lambda k: "".join(rng.choice(_CODE_LETTERS) for _ in range(k))  # noqa: E731
+    digits = lambda k: "".join(str(rng.randint(0, 9)) for _ in range(k))  # noqa: E731
+    if fact == "register":
+        return f"{letters(2)}/{digits(rng.choice((4, 5)))}"
+    if fact == "callsign":
+        return f"{letters(3)}{digits(1)}{letters(1)}"
+    if fact == "archive":
+        return f"{digits(2)}.{digits(3)}.{digits(2)}"
+    if fact == "surveyor":
+        return f"{names.take(n_syll=(2, 2))} {names.take(n_syll=(2, 3))}-{names.take(n_syll=(2, 2))}"
+    if fact == "oldname":
+        return names.take(n_syll=(3, 4))
+    return f"{names.take(n_syll=(2, 2)).lower()} {names.take(n_syll=(2, 3)).lower()}"   # motto
+
+
+def calibration_code_needles(*, seed: int = 0, n: int = 12, words: int = 700,
+                             essays: list[str] | None = None) -> list[QAItem]:
+    """Like `calibration_needles`, with answers that must be copied exactly (see `_CODE_FACTS`)."""
+    rng = random.Random(f"{DATASET}-code-needle:{seed}")
+    names = _Names(rng)
+    names.used.extend(_reserved_names())
+    essays = _essay_words(essays)
+    items = []
+    for k in range(n):
+        window = _window(rng, essays[k % len(essays)], words)
+        kind = rng.choice(list(_KINDS))
+        fact = list(_CODE_FACTS)[k % len(_CODE_FACTS)]       # every format equally often
+        subject = _SUBJECT[kind].format(N=names.take(n_syll=(2, 3)))
+        value = _code_value(fact, rng, names)
+        sentence = rng.choice(_CODE_FACTS[fact][0]).format(S=subject[0].upper() + subject[1:], s=subject, V=value)
+        body, depth = _plant(rng, window, sentence)
+        items.append(QAItem(
+            id=f"{DATASET}-code-needle-s{seed}-{k:03d}", question=_CODE_FACTS[fact][1].format(s=subject),
+            answers=(value,), documents=(Document(f"calib-code-needle{seed}-{k:03d}", body),), context="all",
+            meta={"dataset": f"{DATASET}-code-needle", "fact_type": fact, "depth": depth},
         ))
     return items

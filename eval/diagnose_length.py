@@ -59,10 +59,14 @@ POSITION_BUCKETS = ((0, 4), (4, 16), (16, 64), (64, 10**9))
 SEED_BASE = 300             # calib-needle seeds nobody else reads (gate 0, lab >= 100 and its items)
 
 
-def needles(length: int, n: int, tokenizer, seed_base: int = SEED_BASE, essays: list[str] | None = None) -> list:
+MATERIALS = ("facts", "codes")  # calibration_needles; calibration_code_needles (answers copied exactly)
+
+
+def needles(length: int, n: int, tokenizer, seed_base: int = SEED_BASE, essays: list[str] | None = None,
+            material: str = "facts") -> list:
     """`n` calibration needles in windows of about `length` target tokens of `essays` (default: the
-    lab's held-out essays, which its training rows never saw)."""
-    from eval.calibration_lookup import calibration_needles
+    lab's held-out essays, which its training rows never saw); `material`: one of `MATERIALS`."""
+    from eval.calibration_lookup import calibration_code_needles, calibration_needles
     from eval.datasets import essay_text
     from eval.lab.data import held_out_essays
 
@@ -73,7 +77,8 @@ def needles(length: int, n: int, tokenizer, seed_base: int = SEED_BASE, essays: 
     long_enough = [e for e in essays if words[e] >= want]
     if not long_enough:  # the longest essay, whole: the item says how long it really was
         long_enough = [max(essays, key=words.get)]
-    return calibration_needles(seed=seed_base + length, n=n, words=want, essays=long_enough)
+    make = {"facts": calibration_needles, "codes": calibration_code_needles}[material]
+    return make(seed=seed_base + length, n=n, words=want, essays=long_enough)
 
 
 def mixed(native: KVChunk, translated: KVChunk, keys_from: str, values_from: str, first_native: int = 0) -> KVChunk:
@@ -172,7 +177,10 @@ def pair_arguments(ap: argparse.ArgumentParser, *, n: int, lengths: list[int]) -
     ap.add_argument("--target", default="qwen2.5-0.5b")
     ap.add_argument("--method", default="bottleneck")
     ap.add_argument("--lengths", type=int, nargs="+", default=lengths)
-    ap.add_argument("--n", type=int, default=n, help="needles per length")
+    ap.add_argument("--n", type=int, default=n, help="needles per length (and material)")
+    ap.add_argument("--material", nargs="+", choices=MATERIALS, default=["facts"],
+                    help="what the needles ask for: facts (common words, numbers, names) and/or codes (register "
+                    "codes, call signs, archive numbers, invented names and words, copied exactly)")
 
 
 def answer_location(hits, chunks: list[KVChunk], answers) -> tuple[int | None, tuple[int, int] | None]:
@@ -342,7 +350,8 @@ def main(argv=None) -> int:
         correction = (weights["a"], weights["b"])
 
     lm = registry.load(args.target, "auto")
-    items = {length: needles(length, args.n, lm.tokenizer) for length in args.lengths}
+    items = {length: [it for m in args.material for it in needles(length, args.n, lm.tokenizer, material=m)]
+             for length in args.lengths}
     ctx = measurement_context([it for its in items.values() for it in its], args.out, args.source, args.target,
                               args.method)
     if meta is not None:

@@ -55,12 +55,12 @@ from mappers.bottleneck import corrected_keys, direct_features, split_residual  
 SEED_BASE = 700  # calib-needle seeds of this fit only (diagnosis 300, context mass 500)
 
 
-def training_needles(length: int, n: int, tokenizer) -> list:
+def training_needles(length: int, n: int, tokenizer, material: str = "facts") -> list:
     """`n` calibration needles in windows of about `length` target tokens of the lab's training essays."""
     from eval.diagnose_length import needles
     from eval.lab.data import training_essays
 
-    return needles(length, n, tokenizer, seed_base=SEED_BASE, essays=training_essays())
+    return needles(length, n, tokenizer, seed_base=SEED_BASE, essays=training_essays(), material=material)
 
 
 @contextmanager
@@ -228,7 +228,8 @@ def export(source: str, target: str, method: str, out: Path, tag: str = "") -> i
                          f"{meta['mapper_artifact']}: fit it again")
     fold_into(mapper, weights)
     mapper.fitted_on["key_correction"] = {k: meta[k] for k in ("command", "date", "host", "mapper_artifact", "rank",
-                                                             "token_rank", "lengths", "n_per_length", "seed_base",
+                                                             "token_rank", "lengths", "n_per_length", "material",
+                                                             "seed_base",
                                                              "history") if k in meta}
     # Lookup records were measured without the correction; they are measured again, not carried over.
     mapper.fidelity = {k: v for k, v in mapper.fidelity.items() if k not in ("lab_lookup", "lookup", "lookup_repair")}
@@ -289,7 +290,8 @@ def main(argv=None) -> int:
         return record_lab(args.source, args.target, args.method, args.record_lab)
 
     lm = registry.load(args.target, "auto")
-    items = [it for length in args.lengths for it in training_needles(length, args.n, lm.tokenizer)]
+    items = [it for length in args.lengths for m in args.material
+             for it in training_needles(length, args.n, lm.tokenizer, m)]
     ctx = measurement_context(items, args.out, args.source, args.target, args.method)
     _, mapper, asm = ctx._ready()
     start = None
@@ -323,7 +325,8 @@ def main(argv=None) -> int:
     meta = {"source": args.source, "target": args.target, "method": args.method,
             "mapper_artifact": getattr(mapper, "artifact_id", args.method), "rank": args.rank,
             "token_rank": args.token_rank, "started_from_artifact_correction": start is not None,
-            "lengths": args.lengths, "n_per_length": args.n, "train_items": len(train), "held_items": len(held),
+            "lengths": args.lengths, "n_per_length": args.n, "material": args.material,
+            "train_items": len(train), "held_items": len(held),
             "seed_base": SEED_BASE, "lr": args.lr, "token_lr": args.token_lr, "l2": args.l2, "history": history,
             "tag": args.tag, "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
             "host": host_info().get("cpu", "")}

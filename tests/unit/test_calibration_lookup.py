@@ -44,3 +44,27 @@ def test_disjoint_from_evaluation_sets():
         window = item.documents[0].text
         planted = next(s for s in re.split(r"(?<=\.) ", window) if item.answers[0] in s)
         assert planted not in evaluation
+
+
+def test_code_needles_reproducible_exact_and_disjoint_from_evaluation():
+    from eval.calibration_lookup import _CODE_FACTS, calibration_code_needles
+
+    a = calibration_code_needles(seed=2, n=12)
+    assert [i.to_json() for i in a] == [i.to_json() for i in calibration_code_needles(seed=2, n=12)]
+    assert [i.to_json() for i in a] != [i.to_json() for i in calibration_code_needles(seed=3, n=12)]
+    # Every format equally often, one exact answer each, planted once in its window with its subject named.
+    assert sorted(i.meta["fact_type"] for i in a) == sorted(list(_CODE_FACTS) * 2)
+    for item in a:
+        (answer,) = item.answers
+        text = item.documents[0].text
+        assert text.count(answer) == 1
+        planted = next(s for s in re.split(r"(?<=\.) ", text) if answer in s)
+        name = next(w for w in item.question.rstrip("?").split()[1:] if w[:1].isupper() and w not in ("Comet", "Hut"))
+        assert name in planted, (planted, item.question)
+    # Own templates and values: no evaluation template, no evaluation needle word, no synthetic-kb name.
+    evaluation_templates = set(ds._QUESTIONS.values()) | {q for _, q, _ in ds._NEEDLE_TEMPLATES}
+    assert not evaluation_templates & {q for _, q in _CODE_FACTS.values()}
+    values = " ".join(i.answers[0].lower() for i in calibration_code_needles(n=60))
+    assert not set(re.findall(r"[a-z]+", values)) & set(ds._NEEDLE_WORDS)
+    kb_names = {n.lower() for seed in range(3) for n in names(" ".join(d.text for d in ds.synthetic_kb(seed=seed)[0].documents))}
+    assert not set(re.findall(r"[a-z]+", values)) & kb_names
