@@ -218,13 +218,21 @@ def read_shard(path: Path) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------ lookup items
 
+SPLITS = ("test", "tune", "codes")
+
+
 def lookup_items(split: str, n: int) -> list:
     """Needles planted in the held-out essays: ``tune`` (choosing scales and ranks) and
-    ``test`` (the lab's report) never share a seed."""
-    from eval.calibration_lookup import calibration_needles
+    ``test`` (the lab's report) never share a seed; ``codes`` asks for answers that must be copied
+    exactly (register codes, call signs, invented names: `calibration_code_needles`), as the
+    evaluation needles do and ``test``'s common words and numbers do not."""
+    from eval.calibration_lookup import calibration_code_needles, calibration_needles
 
-    seed = {"tune": 11, "test": 12}[split]
-    return calibration_needles(seed=seed, n=n, essays=held_out_essays())
+    if split not in SPLITS:
+        raise ValueError(f"unknown lab split {split!r}; one of {SPLITS}")
+    if split == "codes":
+        return calibration_code_needles(seed=13, n=n, essays=held_out_essays())
+    return calibration_needles(seed={"tune": 11, "test": 12}[split], n=n, essays=held_out_essays())
 
 
 def build_items(source, target, split: str, n: int, out: Path) -> list[Path]:

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from eval import datasets as ds
 from eval.calibration_lookup import _FACTS, calibration_lookup, calibration_needles
 
@@ -68,3 +70,19 @@ def test_code_needles_reproducible_exact_and_disjoint_from_evaluation():
     assert not set(re.findall(r"[a-z]+", values)) & set(ds._NEEDLE_WORDS)
     kb_names = {n.lower() for seed in range(3) for n in names(" ".join(d.text for d in ds.synthetic_kb(seed=seed)[0].documents))}
     assert not set(re.findall(r"[a-z]+", values)) & kb_names
+
+
+def test_length_needles_by_material_come_from_the_held_out_essays(tiny):
+    from eval.diagnose_length import needles
+    from eval.lab.data import held_out_essays
+
+    facts = needles(1024, 4, tiny.tokenizer)
+    codes = needles(1024, 4, tiny.tokenizer, material="codes")
+    assert [i.to_json() for i in codes] == [i.to_json() for i in needles(1024, 4, tiny.tokenizer, material="codes")]
+    assert {i.meta["dataset"] for i in facts} == {"calib-lookup-needle"}
+    assert {i.meta["dataset"] for i in codes} == {"calib-lookup-code-needle"}
+    held = " ".join(ds.normalize_ws(ds.essay_text(e)) for e in held_out_essays())
+    for item in codes:
+        assert " ".join(item.documents[0].text.split(" ")[:8]) in held  # the window before the planted fact
+    with pytest.raises(KeyError):
+        needles(1024, 1, tiny.tokenizer, material="passphrases")

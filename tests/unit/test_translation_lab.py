@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eval.lab import data, variants
@@ -84,11 +85,14 @@ def test_corpus_is_reproducible_from_its_records_and_disjoint_from_the_held_out_
     pkg = next(e for e in a if e["source"] == "package")
     assert pkg["name"] and pkg["version"]
     # the lab's lookup items are planted only in held-out essays, tune and test never share an item
-    tune, test = data.lookup_items("tune", 3), data.lookup_items("test", 3)
+    tune, test, codes = (data.lookup_items(s, 3) for s in ("tune", "test", "codes"))
     assert not {i.id for i in tune} & {i.id for i in test}
+    assert {i.meta["dataset"] for i in codes} == {"calib-lookup-code-needle"}
+    with pytest.raises(ValueError, match="unknown lab split"):
+        data.lookup_items("evaluation", 3)
     from eval.datasets import essay_text, normalize_ws
     held_text = " ".join(normalize_ws(essay_text(e)) for e in held)
-    for item in tune + test:
+    for item in tune + test + codes:
         words = item.documents[0].text.split(" ")
         assert " ".join(words[:8]) in held_text or " ".join(words[-8:]) in held_text
 
