@@ -202,31 +202,40 @@ def _essay_words(essays: list[str] | None) -> list[list[str]]:
     return [normalize_ws(essay_text(e)).split(" ") for e in chosen]
 
 
+def _planted_needles(dataset: str, doc_prefix: str, *, seed: int, n: int, words: int, essays: list[str] | None,
+                     facts: dict, pick_fact, make_value) -> list[QAItem]:
+    """One fact of `facts` planted per item in a window of a calibration essay: ``pick_fact(k, kind, rng)``
+    chooses its type, ``make_value(fact, rng, names)`` its value and acceptable answers."""
+    rng = random.Random(f"{dataset}:{seed}")
+    names = _Names(rng)
+    names.used.extend(_reserved_names())
+    texts = _essay_words(essays)
+    items = []
+    for k in range(n):
+        window = _window(rng, texts[k % len(texts)], words)
+        kind = rng.choice(list(_KINDS))
+        fact = pick_fact(k, kind, rng)
+        subject = _SUBJECT[kind].format(N=names.take(n_syll=(2, 3)))
+        value, answers = make_value(fact, rng, names)
+        sentence = rng.choice(facts[fact][0]).format(S=subject[0].upper() + subject[1:], s=subject, V=value)
+        body, depth = _plant(rng, window, sentence)
+        items.append(QAItem(
+            id=f"{dataset}-s{seed}-{k:03d}", question=facts[fact][1].format(s=subject), answers=answers,
+            documents=(Document(f"{doc_prefix}{seed}-{k:03d}", body),), context="all",
+            meta={"dataset": dataset, "fact_type": fact, "depth": depth},
+        ))
+    return items
+
+
 def calibration_needles(*, seed: int = 0, n: int = 12, words: int = 700,
                         essays: list[str] | None = None) -> list[QAItem]:
     """One planted fact per item in a window of a calibration essay (whole-document context).
 
     `essays`: the calibration essays to plant in (default: all of them); the
     translation lab passes the few it holds out of its training data."""
-    rng = random.Random(f"{DATASET}-needle:{seed}")
-    names = _Names(rng)
-    names.used.extend(_reserved_names())
-    essays = _essay_words(essays)
-    items = []
-    for k in range(n):
-        window = _window(rng, essays[k % len(essays)], words)
-        kind = rng.choice(list(_KINDS))
-        fact = rng.choice(_KINDS[kind][1])
-        subject = _SUBJECT[kind].format(N=names.take(n_syll=(2, 3)))
-        value, answers = _value(fact, rng, names)
-        sentence = rng.choice(_FACTS[fact][0]).format(S=subject[0].upper() + subject[1:], s=subject, V=value)
-        body, depth = _plant(rng, window, sentence)
-        items.append(QAItem(
-            id=f"{DATASET}-needle-s{seed}-{k:03d}", question=_FACTS[fact][1].format(s=subject),
-            answers=answers, documents=(Document(f"calib-needle{seed}-{k:03d}", body),), context="all",
-            meta={"dataset": f"{DATASET}-needle", "fact_type": fact, "depth": depth},
-        ))
-    return items
+    return _planted_needles(f"{DATASET}-needle", "calib-needle", seed=seed, n=n, words=words, essays=essays,
+                            facts=_FACTS, pick_fact=lambda k, kind, rng: rng.choice(_KINDS[kind][1]),
+                            make_value=_value)
 
 
 # Answers that must be copied character by character: register codes, call signs, archive numbers,
@@ -271,22 +280,13 @@ def _code_value(fact: str, rng: random.Random, names: _Names) -> str:
 def calibration_code_needles(*, seed: int = 0, n: int = 12, words: int = 700,
                              essays: list[str] | None = None) -> list[QAItem]:
     """Like `calibration_needles`, with answers that must be copied exactly (see `_CODE_FACTS`)."""
-    rng = random.Random(f"{DATASET}-code-needle:{seed}")
-    names = _Names(rng)
-    names.used.extend(_reserved_names())
-    essays = _essay_words(essays)
-    items = []
-    for k in range(n):
-        window = _window(rng, essays[k % len(essays)], words)
-        kind = rng.choice(list(_KINDS))
-        fact = list(_CODE_FACTS)[k % len(_CODE_FACTS)]       # every format equally often
-        subject = _SUBJECT[kind].format(N=names.take(n_syll=(2, 3)))
+    formats = list(_CODE_FACTS)
+
+    def make_value(fact, rng, names):
         value = _code_value(fact, rng, names)
-        sentence = rng.choice(_CODE_FACTS[fact][0]).format(S=subject[0].upper() + subject[1:], s=subject, V=value)
-        body, depth = _plant(rng, window, sentence)
-        items.append(QAItem(
-            id=f"{DATASET}-code-needle-s{seed}-{k:03d}", question=_CODE_FACTS[fact][1].format(s=subject),
-            answers=(value,), documents=(Document(f"calib-code-needle{seed}-{k:03d}", body),), context="all",
-            meta={"dataset": f"{DATASET}-code-needle", "fact_type": fact, "depth": depth},
-        ))
-    return items
+        return value, (value,)
+
+    return _planted_needles(f"{DATASET}-code-needle", "calib-code-needle", seed=seed, n=n, words=words,
+                            essays=essays, facts=_CODE_FACTS,
+                            pick_fact=lambda k, kind, rng: formats[k % len(formats)],  # each format equally often
+                            make_value=make_value)
