@@ -574,6 +574,11 @@ def make(name: str, lab: Path, source, target) -> Variant:
     bad = [lever for lever in levers if not _LEVER.match(lever)]
     if bad:
         raise ValueError(f"unknown levers {bad} in {name!r}")
+    if any(lv.startswith("nat") for lv in levers) and any(lv.startswith("tok") for lv in levers):
+        # The token residual is fitted on the training rows, which hold no native chunk to put in the
+        # first m layers: the two levers have never been fitted together.
+        raise ValueError(f"+nat<m> and +tok do not combine (in {name!r}): the token residual's rows have no "
+                         "native layers")
     key_scale = next((float(lv[2:]) for lv in levers if lv.startswith("ks")), 1.0)
     native = next((int(lv[3:]) for lv in levers if lv.startswith("nat")), 0)
     basis, rows = basis_for(lab, "h" in levers, full=rank is None)

@@ -98,8 +98,8 @@ def test_corpus_is_reproducible_from_its_records_and_disjoint_from_the_held_out_
 
 
 def test_variant_names_parse_and_unknown_levers_are_refused():
-    import pytest
-
+    with pytest.raises(ValueError, match="do not combine"):
+        variants.make("rrr352+match+tok+nat12", None, None, None)
     with pytest.raises(ValueError, match="unknown levers"):
         variants.make("pca256+bogus", None, None, None)
     with pytest.raises(ValueError, match="unknown variant base"):
