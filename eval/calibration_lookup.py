@@ -290,3 +290,7 @@ def calibration_code_needles(*, seed: int = 0, n: int = 12, words: int = 700,
                             essays=essays, facts=_CODE_FACTS,
                             pick_fact=lambda k, kind, rng: formats[k % len(formats)],  # each format equally often
                             make_value=make_value)
+
+
+# What a calibration needle asks for → the function that makes it (`eval/diagnose_length.py --material`).
+NEEDLE_MATERIALS = {"facts": calibration_needles, "codes": calibration_code_needles}

@@ -49,6 +49,7 @@ from cag.generate import generate, last_logits, stop_token_ids  # noqa: E402
 from cag.kv import KVChunk  # noqa: E402
 from cag.models.attention import context_temperature  # noqa: E402
 from eval import metrics  # noqa: E402
+from eval.calibration_lookup import NEEDLE_MATERIALS  # noqa: E402
 from eval.lab.score import question_attentions  # noqa: E402
 
 CHUNK_TOKENS = 256          # the store's default chunk size (`cag build`)
@@ -59,14 +60,10 @@ POSITION_BUCKETS = ((0, 4), (4, 16), (16, 64), (64, 10**9))
 SEED_BASE = 300             # calib-needle seeds nobody else reads (gate 0, lab >= 100 and its items)
 
 
-MATERIALS = ("facts", "codes")  # calibration_needles; calibration_code_needles (answers copied exactly)
-
-
 def needles(length: int, n: int, tokenizer, seed_base: int = SEED_BASE, essays: list[str] | None = None,
             material: str = "facts") -> list:
     """`n` calibration needles in windows of about `length` target tokens of `essays` (default: the
-    lab's held-out essays, which its training rows never saw); `material`: one of `MATERIALS`."""
-    from eval.calibration_lookup import calibration_code_needles, calibration_needles
+    lab's held-out essays, which its training rows never saw); `material`: a key of `NEEDLE_MATERIALS`."""
     from eval.datasets import essay_text
     from eval.lab.data import held_out_essays
 
@@ -77,8 +74,7 @@ def needles(length: int, n: int, tokenizer, seed_base: int = SEED_BASE, essays: 
     long_enough = [e for e in essays if words[e] >= want]
     if not long_enough:  # the longest essay, whole: the item says how long it really was
         long_enough = [max(essays, key=words.get)]
-    make = {"facts": calibration_needles, "codes": calibration_code_needles}[material]
-    return make(seed=seed_base + length, n=n, words=want, essays=long_enough)
+    return NEEDLE_MATERIALS[material](seed=seed_base + length, n=n, words=want, essays=long_enough)
 
 
 def mixed(native: KVChunk, translated: KVChunk, keys_from: str, values_from: str, first_native: int = 0) -> KVChunk:
@@ -178,7 +174,7 @@ def pair_arguments(ap: argparse.ArgumentParser, *, n: int, lengths: list[int]) -
     ap.add_argument("--method", default="bottleneck")
     ap.add_argument("--lengths", type=int, nargs="+", default=lengths)
     ap.add_argument("--n", type=int, default=n, help="needles per length (and material)")
-    ap.add_argument("--material", nargs="+", choices=MATERIALS, default=["facts"],
+    ap.add_argument("--material", nargs="+", choices=list(NEEDLE_MATERIALS), default=["facts"],
                     help="what the needles ask for: facts (common words, numbers, names) and/or codes (register "
                     "codes, call signs, archive numbers, invented names and words, copied exactly)")
 

@@ -226,13 +226,12 @@ def lookup_items(split: str, n: int) -> list:
     ``test`` (the lab's report) never share a seed; ``codes`` asks for answers that must be copied
     exactly (register codes, call signs, invented names: `calibration_code_needles`), as the
     evaluation needles do and ``test``'s common words and numbers do not."""
-    from eval.calibration_lookup import calibration_code_needles, calibration_needles
+    from eval.calibration_lookup import NEEDLE_MATERIALS
 
     if split not in SPLITS:
         raise ValueError(f"unknown lab split {split!r}; one of {SPLITS}")
-    if split == "codes":
-        return calibration_code_needles(seed=13, n=n, essays=held_out_essays())
-    return calibration_needles(seed={"tune": 11, "test": 12}[split], n=n, essays=held_out_essays())
+    material, seed = {"tune": ("facts", 11), "test": ("facts", 12), "codes": ("codes", 13)}[split]
+    return NEEDLE_MATERIALS[material](seed=seed, n=n, essays=held_out_essays())
 
 
 def build_items(source, target, split: str, n: int, out: Path) -> list[Path]:
