@@ -1,4 +1,13 @@
-"""APE's context temperature and scale: the defaults calibrated per target.
+"""Query-time attention over placed chunks: the defaults calibrated per target.
+
+Two settings, both label-free and measured on the target's own chunk caches:
+
+- APE's context temperature and scale (T, S) over the whole placed context;
+- the rank key decay γ: the keys of the chunk the retriever ranked i-th (0 = best)
+  are multiplied by γ**i, so lower-ranked chunks pull the question less. Direct
+  context has this for free: the best chunk comes first and the model favours
+  what it read first, while chunks prefilled apart all look like "the first
+  document" (eval/results/rank_key_decay/).
 
 `eval/calibrate_ape.py` chooses (T, S) per target model, label-free, on
 calibration lookup questions (never an evaluation set): the grid point whose
@@ -6,8 +15,11 @@ native chunk caches come closest, in KL over the answer, to direct context. It
 writes ``cag/ape_defaults.json``, keyed by the model's weight fingerprint, so a
 default never follows a name onto other weights.
 
+`eval/calibrate_rank_decay.py` then chooses γ the same way, at the calibrated (T, S),
+and adds it to the same entry.
+
 The defaults were measured on the target's own chunk caches only, so they apply
-to the native path; translated caches keep T = S = 1 unless the caller sets them.
+to the native path; translated caches keep T = S = γ = 1 unless the caller sets them.
 """
 
 from __future__ import annotations
@@ -34,6 +46,28 @@ def calibrated(fingerprint_id: str, path: Path | None = None) -> tuple[float, fl
     if entry is None:
         return None
     return float(entry["temperature"]), float(entry["scale"])
+
+
+def calibrated_rank_decay(fingerprint_id: str, path: Path | None = None) -> float | None:
+    """γ calibrated for the model with this weight fingerprint, or None if it was never calibrated."""
+    entry = _defaults(path or DEFAULTS_FILE).get(fingerprint_id)
+    if entry is None or "rank_key_decay" not in entry:
+        return None
+    return float(entry["rank_key_decay"])
+
+
+def resolve_rank_decay(decay: float | None, *, fingerprint_id: str, native: bool) -> float:
+    """The γ a query uses: what the caller set, else the calibrated default on the native path, else 1."""
+    if decay is not None:
+        return decay
+    return (calibrated_rank_decay(fingerprint_id) if native else None) or 1.0
+
+
+def rank_key_scales(scores: list[float], decay: float) -> list[float]:
+    """γ**rank for each chunk, its rank by retrieval score (0 = best; ties keep their order)."""
+    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
+    rank = {i: r for r, i in enumerate(ranked)}
+    return [decay ** rank[i] for i in range(len(scores))]
 
 
 def resolve(temperature: float | None, scale: float | None, *, fingerprint_id: str,

@@ -98,7 +98,8 @@ class Assembler:
 
     def place(self, chunks: Sequence[KVChunk], *, recompute_ratio: float = 0.0,
               recompute_select: str = "deviation", question_ids: torch.Tensor | None = None,
-              first_k: int = 0, positions: torch.Tensor | None = None) -> Placed:
+              first_k: int = 0, positions: torch.Tensor | None = None,
+              key_scales: Sequence[float] | None = None) -> Placed:
         """Build the cache of head + `chunks` (target-space), recomputing some tokens.
 
         `recompute_select`: which tokens are recomputed; ``"deviation"`` (CacheBlend:
@@ -107,7 +108,16 @@ class Assembler:
         needs `question_ids`), ``"first_k"`` (EPIC: the first `first_k` tokens of
         every chunk, whatever the ratio), or ``"source"`` / ``"retriever"``: the
         context `positions` chosen outside the target (`cag.selection`).
+
+        `key_scales`: one factor per chunk, multiplying its keys in the finished cache
+        (after any recompute, so the recomputed tokens were computed against the keys as
+        stored). Below 1 the question's logits over that chunk flatten: its pull weakens
+        (`CachedContext.rank_key_decay`). ``None``: every chunk as it is.
         """
+        if key_scales is not None and len(key_scales) != len(chunks):
+            raise ValueError(f"key_scales has {len(key_scales)} factors for {len(chunks)} chunks")
+        if key_scales is not None and any(not s > 0 for s in key_scales):
+            raise ValueError(f"key scales must be > 0, got {list(key_scales)}")
         if not 0.0 <= recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
         if recompute_select not in RECOMPUTE_SELECT:
@@ -153,6 +163,15 @@ class Assembler:
                     chosen = self._most_deviating(keys, values, context_ids, n_prefix, n_recompute)
                 keys, values = self._recompute(keys, values, context_ids, chosen)
         recompute_s = time.perf_counter() - recompute_started
+        if key_scales is not None and any(f != 1.0 for f in key_scales):
+            # Rotation is linear: scaling the rotated keys scales the logits. Out of place, since a
+            # recompute's keys are inference tensors.
+            factor = torch.ones(total, dtype=keys.dtype)
+            start = n_prefix
+            for chunk, f in zip(chunks, key_scales):
+                factor[start:start + chunk.num_tokens] = f
+                start += chunk.num_tokens
+            keys = keys * factor.to(keys.device)[None, None, :, None]
         cache = adapter.fill_cache(keys, values)
         return Placed(cache, context_ids, n_prefix, n_recompute,
                       time.perf_counter() - started - recompute_s, recompute_s)

@@ -54,6 +54,11 @@ TranslatedKeyScale = Annotated[float, typer.Option(
     help="Multiplies translated chunks' keys before placement (0 < a <= 1; with a whole-chunk recompute, "
          "the crux path: README, 'Chunk repair'). 1 = the mapper's keys as they are.", min=0.0, max=1.0)]
 
+RankKeyDecay = Annotated[float | None, typer.Option(
+    help="Multiplies the keys of the chunk the retriever ranked i-th by this to the power i (0 < g <= 1; "
+         "README, 'Rank key decay'). Default: the target's calibrated value on the native path, 1 on a "
+         "translated one.", min=0.0, max=1.0, show_default=False)]
+
 
 def _fail(message: str) -> typer.Exit:
     from rich.markup import escape  # a message naming an extra, "cag[ray]", is text, not markup
@@ -431,6 +436,7 @@ def query(
                                                   "source_chunk or retriever_chunk "
                                                   "(see CachedContext.recompute_select).")] = "deviation",
     translated_key_scale: TranslatedKeyScale = 1.0,
+    rank_key_decay: RankKeyDecay = None,
     context_temperature: Annotated[float | None, typer.Option(
         help="APE: attention temperature over the placed context (default: the target's calibrated value on "
              "the native path, 1 on a translated one).", min=0.0, show_default=False)] = None,
@@ -460,7 +466,8 @@ def query(
         ctx = CachedContext(store=store, target=target, mapper=mapper, top_k=top_k, recompute_ratio=recompute,
                             recompute_select=recompute_select, min_retention=min_retention, fallback=fallback,
                             max_new_tokens=max_new_tokens, context_temperature=context_temperature,
-                            context_scale=context_scale, translated_key_scale=translated_key_scale)
+                            context_scale=context_scale, translated_key_scale=translated_key_scale,
+                            rank_key_decay=rank_key_decay)
     except ValidationError as e:
         raise _fail(str(e)) from None
     try:
@@ -623,6 +630,7 @@ def eval_cmd(
                                                   "source_chunk / retriever_chunk (whole chunks by the "
                                                   "same scores: prefill the crux).")] = "deviation",
     translated_key_scale: TranslatedKeyScale = 1.0,
+    rank_key_decay: RankKeyDecay = None,
     dtype: Annotated[str | None, typer.Option(help="Storage format of the store built for the questions: "
                                               "int8 (default, as cag build), bfloat16 or float8_e4m3fn.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),
@@ -668,7 +676,8 @@ def eval_cmd(
         summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
                            top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
                            recompute_ratio=recompute, recompute_select=recompute_select, progress=True,
-                           dtype=dtype, translated_key_scale=translated_key_scale)
+                           dtype=dtype, translated_key_scale=translated_key_scale,
+                           rank_key_decay=rank_key_decay)
     except (registry.ModelError, ValueError, StoreError) as e:
         raise _fail(str(e)) from None
     if as_json:

@@ -197,6 +197,11 @@ class CachedContext(BaseModel):
                                               "(cag.ape), 1 on a translated one.")
     context_scale: float | None = Field(None, gt=0.0, description="APE: the context's attention weight is "
                                         "scaled by S (log S added to its logits). None: as for T.")
+    rank_key_decay: float | None = Field(None, gt=0.0, le=1.0, description="The keys of the chunk the "
+                                         "retriever ranked i-th (0 = best) are multiplied by γ**i, so weaker "
+                                         "chunks pull the question less, as they do in direct context, where "
+                                         "the best chunk is read first. None: the target's calibrated default "
+                                         "on the native path (cag.ape), 1 on a translated one.")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -364,6 +369,22 @@ class CachedContext(BaseModel):
         return resolve(self.context_temperature, self.context_scale, fingerprint_id=lm.fingerprint.id,
                        native=native)
 
+    def rank_decay(self, native: bool | None = None) -> float:
+        """γ of `rank_key_decay` for this context's path: the field where set, else the calibrated default."""
+        from cag.ape import resolve_rank_decay
+
+        if native is None:
+            native = self._ready()[1].method == "identity"
+        lm = self._ready_target()[0]
+        return resolve_rank_decay(self.rank_key_decay, fingerprint_id=lm.fingerprint.id, native=native)
+
+    def rank_key_scales(self, hits: list[Any], native: bool | None = None) -> list[float] | None:
+        """Per-chunk key factors for placed `hits` (γ**rank by score), or None when γ = 1."""
+        from cag.ape import rank_key_scales
+
+        decay = self.rank_decay(native)
+        return None if decay == 1.0 or not hits else rank_key_scales([h.score for h in hits], decay)
+
     @property
     def target_model_name(self) -> str:
         return self.target_model.name
@@ -428,7 +449,8 @@ class CachedContext(BaseModel):
             timings.recompute += time.perf_counter() - t
         with asm.model_lock:
             placed = asm.place(chunks, recompute_ratio=ratio, recompute_select=select, question_ids=question_ids,
-                               first_k=self.recompute_first_k, positions=positions)
+                               first_k=self.recompute_first_k, positions=positions,
+                               key_scales=self.rank_key_scales(used))
         timings.assemble, timings.recompute = placed.assemble_s, timings.recompute + placed.recompute_s
         for note in notes:
             warnings.warn(note, stacklevel=3)

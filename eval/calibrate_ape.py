@@ -144,10 +144,13 @@ def main(argv=None) -> int:
         lines.append("")
     (args.out / "ape.md").write_text("\n".join(lines))
     if not args.no_write:
-        defaults = {r["fingerprint"]: {"name": r["target"], "temperature": r["chosen"]["temperature"],
-                                       "scale": r["chosen"]["scale"], "n": r["n"], "command": command}
-                    for r in results}
-        (ROOT / "cag" / "ape_defaults.json").write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
+        path = ROOT / "cag" / "ape_defaults.json"
+        defaults = json.loads(path.read_text()) if path.exists() else {}
+        for r in results:  # the entry's other settings (eval/calibrate_rank_decay.py's γ) are kept
+            defaults.setdefault(r["fingerprint"], {}).update(
+                {"name": r["target"], "temperature": r["chosen"]["temperature"], "scale": r["chosen"]["scale"],
+                 "n": r["n"], "command": command})
+        path.write_text(json.dumps(defaults, indent=2, sort_keys=True) + "\n")
     print("\n".join(lines))
     return 0
 

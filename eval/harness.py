@@ -192,7 +192,8 @@ class ItemRunner:
             # Chosen as a query would: the store's source model (or the retriever) over the same hits.
             positions = base._guided_positions(item.question, chunks, hits, asm)
         placed = asm.place(chunks, recompute_ratio=base.recompute_ratio, recompute_select=base.recompute_select,
-                           question_ids=question_ids, first_k=base.recompute_first_k, positions=positions)
+                           question_ids=question_ids, first_k=base.recompute_first_k, positions=positions,
+                           key_scales=base.rank_key_scales(hits, native=True))
         return _Run(placed.cache, question_ids,
                     placed.context_ids.numel() - placed.prefix_tokens, time.perf_counter() - started, [],
                     (placed.prefix_tokens, placed.context_ids.numel()), placed.recomputed_tokens)

@@ -70,6 +70,15 @@ def label(select: str, ratio: float) -> str:
     return f"{select} {ratio:.0%}"
 
 
+def decay_label(setting: str, decay: float | None) -> str:
+    """A setting's label at rank key decay `decay` (None: each path's served default, unmarked)."""
+    return setting if decay is None else f"{setting} γ={decay:g}"
+
+
+def parse_decay(value: str) -> float | None:
+    return None if value == "default" else float(value)
+
+
 def load_items(dataset: str, limit: int | None):
     if dataset == "synthetic-kb":  # 60 questions; the first 40 are `cag eval`'s
         items = ds.synthetic_kb(n_questions=60)
@@ -111,11 +120,12 @@ def run(args) -> Path:
     log(f"repair_ablation: store {store} ({len(items)} questions)")
     build_eval_store(items, store, args.source, chunk_tokens=args.chunk_tokens)
     grid = settings(args.ratios, args.selectors, args.first_k)
+    decays = [parse_decay(v) for v in args.rank_key_decays]
     results_path = out / "results.jsonl"
     done = _done(results_path)
     meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": host_info(), "dataset": args.dataset, "n": len(items), "source": args.source,
-            "settings": [label(*g) for g in grid], "top_k": args.top_k,
+            "settings": [decay_label(label(*g), d) for d in decays for g in grid], "top_k": args.top_k,
             "translated_key_scale": args.translated_key_scale, "max_new_tokens": args.max_new_tokens}
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     total = len(items) * len(args.targets)
@@ -135,7 +145,10 @@ def run(args) -> Path:
                     continue
                 row = {"item": item.id, "target": target, "meta": dict(item.meta), "answers": list(item.answers),
                        "ape": {"native": base.ape_settings(native=True),
-                               **{m: c.ape_settings() for m, c in contexts.items()}}, "settings": {}}
+                               **{m: c.ape_settings() for m, c in contexts.items()}},
+                       "rank_key_decay": {"native": base.rank_decay(native=True),
+                                          **{m: c.rank_decay() for m, c in contexts.items()}},
+                       "settings": {}}
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     hits = runner.hits_for(item)
@@ -145,8 +158,9 @@ def run(args) -> Path:
                     row["answer_in"] = {"top_chunk": _holds(hits[:1], item.answers), "hits": _holds(hits, item.answers)}
                     reference = runner.teacher_forced(text[DIRECT], runner.gold_ids(item.answers[0]))
                     row["text"] = {k: v.to_dict() for k, v in runner.score(item, text, reference).items()}
-                    for select, ratio in grid:
+                    for decay, (select, ratio) in ((d, g) for d in decays for g in grid):
                         for ctx in (base, *contexts.values()):
+                            ctx.rank_key_decay = decay
                             if select == "first_k":
                                 ctx.recompute_select, ctx.recompute_ratio, ctx.recompute_first_k = \
                                     "first_k", 0.0, int(ratio)
@@ -154,7 +168,8 @@ def run(args) -> Path:
                                 ctx.recompute_select = "deviation" if select == "none" else select
                                 ctx.recompute_ratio = ratio
                         scored = runner.score(item, runner.cache_runs(item, hits), reference)
-                        row["settings"][label(select, ratio)] = {k: v.to_dict() for k, v in scored.items()}
+                        row["settings"][decay_label(label(select, ratio), decay)] = \
+                            {k: v.to_dict() for k, v in scored.items()}
                 with open(results_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                     f.flush()
@@ -199,9 +214,10 @@ def summarize(out: Path) -> dict:
                           "recomputed_share": float(np.mean(share)) if share else 0.0,
                           "context_tokens": float(np.mean([x["context_tokens"] for x in xs]))})
     ape = {r["target"]: r.get("ape") for r in rows}
+    decay = {r["target"]: r["rank_key_decay"] for r in rows if "rank_key_decay" in r}
     retrieval = {t: {k: float(np.mean([r["answer_in"][k] for r in g])) for k in ("top_chunk", "hits")}
                  for t, g in by_target.items() if all("answer_in" in r for r in g)}
-    return {"run": meta, "ape": ape, "retrieval": retrieval, "table": table}
+    return {"run": meta, "ape": ape, "rank_key_decay": decay, "retrieval": retrieval, "table": table}
 
 
 def render(summary: dict) -> str:
@@ -215,6 +231,8 @@ def render(summary: dict) -> str:
               "(direct: the prefill of the text); speedup = direct context's median TTFT over the setting's.", ""]
     for target, ape in summary["ape"].items():
         lines.append(f"APE (T, S) as served, {target}: {ape}")
+    for target, decay in summary.get("rank_key_decay", {}).items():
+        lines.append(f"Rank key decay γ as served (settings without 'γ='), {target}: {decay}")
     for target, r in summary.get("retrieval", {}).items():
         lines.append(f"Retrieval, {target}: an answer string lies in the top chunk for {r['top_chunk']:.0%} of "
                      f"questions, in the top-{run['top_k']} for {r['hits']:.0%}. `{DIRECT_TOP1}`: the top chunk "
@@ -282,6 +300,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--translated-key-scale", type=float, default=1.0,
                     help="CachedContext.translated_key_scale on the translated path")
+    ap.add_argument("--rank-key-decays", nargs="+", default=["default"],
+                    help="γ of CachedContext.rank_key_decay to measure, each over the whole grid; 'default': "
+                         "each path's served default (the target's calibrated γ on the native path, 1 translated)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "repair_ablation")

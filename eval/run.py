@@ -88,7 +88,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
              top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
              recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "",
              progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str | None = None,
-             translated_key_scale: float = 1.0) -> dict[str, Any]:
+             translated_key_scale: float = 1.0, rank_key_decay: float | None = None) -> dict[str, Any]:
     """Every condition on every (question, target) not yet in ``out_dir/results.jsonl``; the summary.
 
     `dtype`: the storage format of the store built for the questions (its chunks, and the
@@ -97,6 +97,9 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
 
     `translated_key_scale`: `CachedContext.translated_key_scale` of the translated
     conditions (the crux path; the native condition is never scaled).
+
+    `rank_key_decay`: `CachedContext.rank_key_decay` of every cached condition; None serves
+    each path's default (the target's calibrated γ on the native path, 1 on translated ones).
 
     `progress`: report on stderr (`cag.progress.Progress`: a bar on a terminal,
     plain lines elsewhere). Each target's prefill rate is measured in this run
@@ -119,12 +122,14 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
     total = len(items) * len(targets)
     count = len([1 for i in items for t in targets if (i.id, t) in done])
     rates: dict[str, dict[str, Any]] = {}
+    decays: dict[str, float] = {}  # the native path's γ as served, per target
     with reporter("cag eval", total, unit="questions", completed=count) as bar:
         for target in targets:
             settings = dict(store=store, target=target, top_k=top_k, max_new_tokens=max_new_tokens,
                             embedder=embedder, translation_cache_mb=0, recompute_ratio=recompute_ratio,
-                            recompute_select=recompute_select)
+                            recompute_select=recompute_select, rank_key_decay=rank_key_decay)
             base = CachedContext(mapper="identity", **settings)
+            decays[target] = base.rank_decay(native=True)
             if bar:
                 bar.log(f"{target}: loading, measuring its prefill rate")
             rates[target] = measure_prefill_rate(base.target_model, prefill_rate_tokens)
@@ -166,7 +171,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "prefill": rates, "source": source,
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
                       "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
-                      "translated_key_scale": translated_key_scale,
+                      "translated_key_scale": translated_key_scale, "rank_key_decay": rank_key_decay,
+                      "rank_key_decay_native": decays,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens,
                       "dtype": dtype if built else _store_dtype(store)}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))

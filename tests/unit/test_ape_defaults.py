@@ -59,6 +59,7 @@ def test_the_shipped_defaults_name_real_grid_points():
     ape._defaults.cache_clear()
     for fingerprint, entry in ape._defaults(ape.DEFAULTS_FILE).items():
         assert entry["temperature"] > 0 and entry["scale"] > 0 and entry["n"] >= 50, fingerprint
+        assert 0 < entry.get("rank_key_decay", 1.0) <= 1, fingerprint
 
 
 def test_a_query_on_the_native_path_uses_the_calibrated_default(kb, defaults, seen):  # noqa: F811

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eval.repair_ablation import label, render, settings, summarize
+from eval.repair_ablation import decay_label, label, parse_decay, render, settings, summarize
 
 
 def test_the_grid_has_no_repair_once_each_selector_at_each_ratio_and_first_k_once():
@@ -14,6 +14,13 @@ def test_the_grid_has_no_repair_once_each_selector_at_each_ratio_and_first_k_onc
     assert [label(*g) for g in grid] == ["none", "deviation 10%", "source 10%", "deviation 20%", "source 20%",
                                          "first_k k=16"]
     assert ("first_k", 0.0) not in settings([0.1], ["first_k"], first_k=0)
+
+
+def test_a_decay_marks_its_settings_and_the_served_default_stays_unmarked():
+    assert [parse_decay(v) for v in ("default", "1", "0.85")] == [None, 1.0, 0.85]
+    assert decay_label("none", None) == "none"
+    assert decay_label("deviation 10%", 1.0) == "deviation 10% γ=1"
+    assert decay_label("none", 0.85) == "none γ=0.85"
 
 
 def _result(f1, kl, ttft, recomputed=0, tokens=100):
