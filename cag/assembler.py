@@ -163,15 +163,15 @@ class Assembler:
                     chosen = self._most_deviating(keys, values, context_ids, n_prefix, n_recompute)
                 keys, values = self._recompute(keys, values, context_ids, chosen)
         recompute_s = time.perf_counter() - recompute_started
-        if key_scales is not None and any(f != 1.0 for f in key_scales):
-            # Rotation is linear: scaling the rotated keys scales the logits. Out of place, since a
-            # recompute's keys are inference tensors.
-            factor = torch.ones(total, dtype=keys.dtype)
-            start = n_prefix
-            for chunk, f in zip(chunks, key_scales):
-                factor[start:start + chunk.num_tokens] = f
-                start += chunk.num_tokens
-            keys = keys * factor.to(keys.device)[None, None, :, None]
+        if key_scales is not None:
+            # Rotation is linear: scaling the rotated keys scales the logits. In place, in inference
+            # mode, since a recompute's keys are inference tensors (the buffer is this call's own).
+            with torch.inference_mode():
+                start = n_prefix
+                for chunk, f in zip(chunks, key_scales):
+                    if f != 1.0:
+                        keys[:, :, start:start + chunk.num_tokens].mul_(f)
+                    start += chunk.num_tokens
         cache = adapter.fill_cache(keys, values)
         return Placed(cache, context_ids, n_prefix, n_recompute,
                       time.perf_counter() - started - recompute_s, recompute_s)
