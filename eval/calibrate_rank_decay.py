@@ -42,23 +42,10 @@ from cag.generate import generate, last_logits, stop_token_ids  # noqa: E402
 from cag.models import registry  # noqa: E402
 from cag.models.attention import context_temperature  # noqa: E402
 from cag.prompt import layout_for  # noqa: E402
-from eval.calibrate_ape import _retrieve  # noqa: E402
+from eval.calibrate_ape import _load_progress, _retrieve  # noqa: E402
 from eval.calibration_lookup import calibration_lookup  # noqa: E402
 
 GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6)
-
-
-def _load_progress(path: Path, fingerprint: str) -> dict[str, dict]:
-    done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by an interruption
-                continue
-            if row.get("fingerprint") == fingerprint:
-                done[row["item"]] = row["kl"]
-    return done
 
 
 def bootstrap_choice(kls: dict[float, list[float]], seed: int = 0) -> tuple[list[dict], dict]:
