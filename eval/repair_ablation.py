@@ -140,14 +140,15 @@ def run(args) -> Path:
                 ctx = CachedContext(mapper=args.method, translated_key_scale=args.translated_key_scale, **common)
                 contexts[ctx.active_mapper.method] = ctx
             runner = ItemRunner(base, contexts, max_new_tokens=args.max_new_tokens)
+            # What each path serves by default, read before the grid below sets γ on the contexts.
+            served_decay = {"native": base.rank_decay(native=True), **{m: c.rank_decay() for m, c in contexts.items()}}
             for item in items:
                 if (item.id, target) in done:
                     continue
                 row = {"item": item.id, "target": target, "meta": dict(item.meta), "answers": list(item.answers),
                        "ape": {"native": base.ape_settings(native=True),
                                **{m: c.ape_settings() for m, c in contexts.items()}},
-                       "rank_key_decay": {"native": base.rank_decay(native=True),
-                                          **{m: c.rank_decay() for m, c in contexts.items()}},
+                       "rank_key_decay": served_decay,
                        "settings": {}}
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
