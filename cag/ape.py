@@ -18,8 +18,10 @@ default never follows a name onto other weights.
 `eval/calibrate_rank_decay.py` then chooses γ the same way, at the calibrated (T, S),
 and adds it to the same entry.
 
-The defaults were measured on the target's own chunk caches only, so they apply
-to the native path; translated caches keep T = S = γ = 1 unless the caller sets them.
+(T, S) were measured on the target's own chunk caches only, so translated caches keep T = S = 1
+unless the caller sets them. A translated path's γ is calibrated the same way over the mapper's
+translated chunks (`calibrate_rank_decay.py --source ...`) and kept in the mapper's card
+(``fidelity.rank_key_decay``), since it belongs to those keys; without one it is 1.
 """
 
 from __future__ import annotations
@@ -56,11 +58,16 @@ def calibrated_rank_decay(fingerprint_id: str, path: Path | None = None) -> floa
     return float(entry["rank_key_decay"])
 
 
-def resolve_rank_decay(decay: float | None, *, fingerprint_id: str, native: bool) -> float:
-    """The γ a query uses: what the caller set, else the calibrated default on the native path, else 1."""
+def resolve_rank_decay(decay: float | None, *, fingerprint_id: str, native: bool,
+                       mapper_fidelity: dict | None = None) -> float:
+    """The γ a query uses: what the caller set, else the calibrated default of the path (the target's
+    on the native path, the mapper card's ``fidelity.rank_key_decay`` on a translated one), else 1."""
     if decay is not None:
         return decay
-    return (calibrated_rank_decay(fingerprint_id) if native else None) or 1.0
+    if native:
+        return calibrated_rank_decay(fingerprint_id) or 1.0
+    record = (mapper_fidelity or {}).get("rank_key_decay") or {}
+    return float(record.get("value", 1.0))
 
 
 def rank_key_scales(scores: list[float], decay: float) -> list[float]:

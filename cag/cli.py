@@ -56,8 +56,8 @@ TranslatedKeyScale = Annotated[float, typer.Option(
 
 RankKeyDecay = Annotated[float | None, typer.Option(
     help="Multiplies the keys of the chunk the retriever ranked i-th by this to the power i (0 < g <= 1; "
-         "README, 'Rank key decay'). Default: the target's calibrated value on the native path, 1 on a "
-         "translated one.", min=0.0, max=1.0, show_default=False)]
+         "README, 'Chunk repair'). Default: the path's calibrated value (the target's on the native path, "
+         "the mapper card's on a translated one; 1 where none).", min=0.0, max=1.0, show_default=False)]
 
 
 def _fail(message: str) -> typer.Exit:

@@ -200,8 +200,9 @@ class CachedContext(BaseModel):
     rank_key_decay: float | None = Field(None, gt=0.0, le=1.0, description="The keys of the chunk the "
                                          "retriever ranked i-th (0 = best) are multiplied by γ**i, so weaker "
                                          "chunks pull the question less, as they do in direct context, where "
-                                         "the best chunk is read first. None: the target's calibrated default "
-                                         "on the native path (cag.ape), 1 on a translated one.")
+                                         "the best chunk is read first. None: the path's calibrated default "
+                                         "(cag.ape: the target's on the native path, the mapper card's on a "
+                                         "translated one; 1 where none was calibrated).")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -373,10 +374,16 @@ class CachedContext(BaseModel):
         """γ of `rank_key_decay` for this context's path: the field where set, else the calibrated default."""
         from cag.ape import resolve_rank_decay
 
-        if native is None:
-            native = self._ready()[1].method == "identity"
+        if self.rank_key_decay is not None:
+            return self.rank_key_decay
         lm = self._ready_target()[0]
-        return resolve_rank_decay(self.rank_key_decay, fingerprint_id=lm.fingerprint.id, native=native)
+        # The mapper is resolved only when the path is translated or unknown: the harness asks for the
+        # native default over another model's store, where this context's identity mapper cannot exist.
+        mapper = None if native else self._ready()[1]
+        if native is None:
+            native = mapper.method == "identity"
+        return resolve_rank_decay(None, fingerprint_id=lm.fingerprint.id, native=native,
+                                  mapper_fidelity=None if native else getattr(mapper, "fidelity", None))
 
     def rank_key_scales(self, hits: list[Any], native: bool | None = None) -> list[float] | None:
         """Per-chunk key factors for placed `hits` (γ**rank by score), or None when γ = 1."""

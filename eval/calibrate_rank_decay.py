@@ -17,6 +17,13 @@ placed as the target's own chunk caches at the target's calibrated (T, S), and f
 KL(direct ‖ native) is the default, kept only if its paired bootstrap gain over γ = 1
 excludes 0. It is added to the target's entry in ``cag/ape_defaults.json`` (unless
 ``--no-write``); ``eval/results/rank_key_decay/calibration.{json,md}`` hold every grid point.
+
+With ``--source S`` the placed chunks are S's, translated by the mapper ``--mapper`` resolves
+for the pair (``auto``: the one a query would use), at T = S = 1 as a translated path is served; γ then
+belongs to that mapper and goes into its card (``fidelity.rank_key_decay``), and the tables to
+``calibration-<S>.{json,md}``:
+
+    python eval/calibrate_rank_decay.py --targets qwen2.5-0.5b --source smollm2-135m --n 50
 """
 
 from __future__ import annotations
@@ -65,14 +72,22 @@ def bootstrap_choice(kls: dict[float, list[float]], seed: int = 0) -> tuple[list
 
 
 @torch.inference_mode()
-def calibrate(target: str, items, top_k: int, log, progress_dir: Path) -> dict:
+def calibrate(target: str, items, top_k: int, log, progress_dir: Path, source: str | None = None,
+              method: str = "auto") -> dict:
     lm = registry.load(target, "auto")
     asm = Assembler(lm, layout_for(lm.tokenizer))
     stops = stop_token_ids(lm.tokenizer)
-    temperature, scale = ape.resolve(None, None, fingerprint_id=lm.fingerprint.id, native=True)
+    mapper = src = None
+    if source is not None:  # the translated path: the source's chunks through the pair's mapper
+        from cag.mapping import resolve_mapper
+
+        src = registry.load(source, "auto")
+        mapper = resolve_mapper(method, src.fingerprint, lm)
+    temperature, scale = ape.resolve(None, None, fingerprint_id=lm.fingerprint.id, native=mapper is None)
     kls: dict[float, list[float]] = {g: [] for g in GRID}
     progress_dir.mkdir(parents=True, exist_ok=True)
-    progress = progress_dir / f"{target.replace('/', '_')}-k{top_k}.jsonl"
+    tag = "" if mapper is None else f"-{mapper.artifact_id}"
+    progress = progress_dir / f"{target.replace('/', '_')}-k{top_k}{tag}.jsonl"
     done = _load_progress(progress, lm.fingerprint.id)
     for i, item in enumerate(items, 1):
         if item.id in done:  # resumed
@@ -89,7 +104,10 @@ def calibrate(target: str, items, top_k: int, log, progress_dir: Path) -> dict:
         ref = torch.log_softmax(last_logits(lm.model, torch.cat([direct_ids, answer[:-1]])[None],
                                             DynamicCache(config=lm.model.config), positions=n).float(), -1)
         forced = torch.cat([q, answer[:-1]])
-        chunks = [lm.prefill(t) for t in texts]
+        if mapper is None:
+            chunks = [lm.prefill(t) for t in texts]
+        else:
+            chunks = mapper.translate_batch([src.prefill(t) for t in texts], texts, lm)
         # `_retrieve` returns best first; scores that fall with the rank give γ**rank.
         scores = [float(-r) for r in range(len(chunks))]
         for g, out in kls.items():
@@ -105,7 +123,27 @@ def calibrate(target: str, items, top_k: int, log, progress_dir: Path) -> dict:
         log(f"calibrate_rank_decay: {target} {i}/{len(items)}")
     rows, chosen = bootstrap_choice(kls)
     return {"target": target, "n": len(items), "top_k": top_k, "ape": [temperature, scale], "grid": rows,
-            "chosen": chosen, "fingerprint": lm.fingerprint.id}
+            "chosen": chosen, "fingerprint": lm.fingerprint.id, "source": source,
+            "mapper": None if mapper is None else {"method": mapper.method, "artifact_id": mapper.artifact_id}}
+
+
+def write_card_decay(result: dict, command: str) -> Path:
+    """Put a translated path's γ into the card of the mapper it was measured with."""
+    from cag.mapping import available_mappers
+    from mappers.base import Mapper, write_card
+
+    for folder, card in available_mappers():  # matched as eval/gate_fidelity.py matches its records
+        if (card["source"].get("name"), card["target"].get("name"), card.get("method")) ==                 (result["source"], result["target"], result["mapper"]["method"]):
+            card = Mapper.read_card(folder)
+            card.setdefault("fidelity", {})["rank_key_decay"] = {
+                "value": result["chosen"]["decay"], "kl": result["chosen"]["kl"], "n": result["n"],
+                "items": "calib-lookup seed 1", "top_k": result["top_k"], "command": command,
+                "artifact_id": result["mapper"]["artifact_id"],
+                "measured": time.strftime("%Y-%m-%d")}
+            write_card(folder, card)
+            return Path(folder)
+    raise SystemExit(f"no shipped {result['mapper']['method']} mapper for {result['source']} → {result['target']} "
+                     "to record γ in")
 
 
 def write_defaults(results: list[dict], command: str, path: Path = ape.DEFAULTS_FILE) -> None:
@@ -126,30 +164,40 @@ def main(argv=None) -> int:
     ap.add_argument("--progress", type=Path, default=Path.home() / ".cache" / "cag" / "calibrate_rank_decay",
                     help="Per-item results, so an interrupted run resumes where it stopped.")
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "rank_key_decay")
+    ap.add_argument("--source", default=None, help="calibrate the translated path from this source "
+                    "model's chunks (default: the target's own chunks, the native path)")
+    ap.add_argument("--mapper", default="auto", help="with --source: the mapper (default: auto's pick)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     items = calibration_lookup(seed=1)[: args.n]  # seed 1: APE's items, not the gate's (0)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    results = [calibrate(t, items, args.top_k, log, args.progress) for t in args.targets]
+    results = [calibrate(t, items, args.top_k, log, args.progress, args.source, args.mapper) for t in args.targets]
     command = " ".join(["python", *sys.argv])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "calibration.json").write_text(json.dumps(
+    name = "calibration" if args.source is None else f"calibration-{args.source}"
+    (args.out / f"{name}.json").write_text(json.dumps(
         {"command": command, "date": time.strftime("%Y-%m-%d"), "results": results}, indent=2) + "\n")
     lines = ["# Rank key decay γ, chosen on calibration questions (label-free)", "",
              f"`{command}`, {time.strftime('%Y-%m-%d')}; calib-lookup seed 1, top-{args.top_k} documents by word "
-             "overlap, best first, placed as the target's own chunk caches (prefilled after the prompt head) at "
-             "its calibrated APE (T, S); KL(direct ‖ native) over direct context's own greedy answer. "
+             "overlap, best first, placed as " + ("the target's own chunk caches (prefilled after the prompt head) at "
+             "its calibrated APE (T, S)" if args.source is None else f"{args.source}'s chunks translated by the "
+             "pair's mapper (T = S = 1, as a translated path is served)") + "; KL(direct ‖ cached) over direct "
+             "context's own greedy answer. "
              "Gain = KL at γ = 1 minus KL at γ, paired bootstrap 95% interval.", ""]
     for r in results:
-        lines += [f"## {r['target']} (n = {r['n']}, APE T, S = {r['ape'][0]}, {r['ape'][1]}): "
+        via = "" if r["mapper"] is None else f", {r['source']} → via {r['mapper']['method']} {r['mapper']['artifact_id']}"
+        lines += [f"## {r['target']}{via} (n = {r['n']}, APE T, S = {r['ape'][0]}, {r['ape'][1]}): "
                   f"chosen γ = {r['chosen']['decay']}", "", "| γ | KL | gain [95%] |", "| --- | --- | --- |"]
         for g in sorted(r["grid"], key=lambda g: -g["decay"]):
             lines.append(f"| {g['decay']} | {g['kl']:.3f} | {g['gain']:+.3f} [{g['gain_low']:+.3f}, "
                          f"{g['gain_high']:+.3f}] |")
         lines.append("")
-    (args.out / "calibration.md").write_text("\n".join(lines))
-    if not args.no_write:
+    (args.out / f"{name}.md").write_text("\n".join(lines))
+    if not args.no_write and args.source is None:
         write_defaults(results, command)
+    elif not args.no_write:
+        for r in results:
+            log(f"calibrate_rank_decay: γ = {r['chosen']['decay']} recorded in {write_card_decay(r, command)}")
     print("\n".join(lines))
     return 0
 

@@ -303,7 +303,8 @@ def main(argv=None) -> int:
                     help="CachedContext.translated_key_scale on the translated path")
     ap.add_argument("--rank-key-decays", nargs="+", default=["default"],
                     help="γ of CachedContext.rank_key_decay to measure, each over the whole grid; 'default': "
-                         "each path's served default (the target's calibrated γ on the native path, 1 translated)")
+                         "each path's served default (the target's calibrated γ on the native path, the mapper card's on a "
+                         "translated one)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "repair_ablation")

@@ -99,7 +99,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
     conditions (the crux path; the native condition is never scaled).
 
     `rank_key_decay`: `CachedContext.rank_key_decay` of every cached condition; None serves
-    each path's default (the target's calibrated γ on the native path, 1 on translated ones).
+    each path's calibrated default (the target's on the native path, the mapper card's on a translated one).
 
     `progress`: report on stderr (`cag.progress.Progress`: a bar on a terminal,
     plain lines elsewhere). Each target's prefill rate is measured in this run

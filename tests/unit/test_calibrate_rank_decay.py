@@ -23,3 +23,30 @@ def test_the_decay_joins_the_entry_and_keeps_what_it_held(tmp_path):
     assert got["fp"] == {"name": "m", "temperature": 1.1, "scale": 0.9, "n": 50, "rank_key_decay": 0.85,
                          "rank_key_decay_command": "cmd"}
     assert got["new"]["rank_key_decay"] == 1.0 and got["new"]["temperature"] == 1.0
+
+
+def test_a_translated_paths_decay_goes_into_its_mappers_card_only(tmp_path, monkeypatch):
+    import pytest
+
+    import cag.mapping
+    from eval.calibrate_rank_decay import write_card_decay
+    from mappers.base import ARTIFACT_FORMAT, ARTIFACT_VERSION, Mapper
+
+    cards = {}
+    for name, (src, tgt, method) in {"a": ("s", "t", "bottleneck"), "b": ("s", "u", "bottleneck"),
+                                     "c": ("s", "t", "mot")}.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        cards[name] = {"format": ARTIFACT_FORMAT, "version": ARTIFACT_VERSION, "method": method, "source": {"name": src}, "target": {"name": tgt}, "fidelity": {"lookup": 1}}
+        (folder / "card.json").write_text(json.dumps(cards[name]))
+    monkeypatch.setattr(cag.mapping, "available_mappers",
+                        lambda: [(tmp_path / n, c) for n, c in cards.items()])
+    result = {"source": "s", "target": "t", "n": 50, "top_k": 4, "mapper": {"method": "bottleneck", "artifact_id": "x"},
+              "chosen": {"decay": 0.9, "kl": 0.2}}
+    assert write_card_decay(result, "cmd") == tmp_path / "a"
+    got = Mapper.read_card(tmp_path / "a")
+    assert got["fidelity"]["lookup"] == 1 and got["fidelity"]["rank_key_decay"]["value"] == 0.9
+    assert got["fidelity"]["rank_key_decay"]["artifact_id"] == "x"
+    assert "rank_key_decay" not in Mapper.read_card(tmp_path / "b")["fidelity"]
+    with pytest.raises(SystemExit, match="no shipped"):
+        write_card_decay({**result, "target": "v"}, "cmd")

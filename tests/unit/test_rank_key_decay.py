@@ -110,3 +110,63 @@ def test_cag_query_passes_the_decay_it_is_given(kb, monkeypatch):  # noqa: F811
     assert made and made[0].rank_key_decay == 0.6
     refused = CliRunner().invoke(app, ["query", "q", "--store", str(root / "store"), "--rank-key-decay", "0"])
     assert refused.exit_code != 0
+
+
+def test_a_translated_path_reads_its_decay_from_the_mapper_card(defaults):  # noqa: F811
+    assert ape.resolve_rank_decay(None, fingerprint_id="fp", native=False,
+                                  mapper_fidelity={"rank_key_decay": {"value": 0.8}}) == 0.8
+    assert ape.resolve_rank_decay(None, fingerprint_id="fp", native=False, mapper_fidelity={}) == 1.0
+    assert ape.resolve_rank_decay(0.9, fingerprint_id="fp", native=False,
+                                  mapper_fidelity={"rank_key_decay": {"value": 0.8}}) == 0.9
+
+
+def test_a_translated_context_serves_its_mapper_cards_decay(tmp_path):
+    import shutil
+
+    from cag.models import registry
+    from mappers.base import Mapper, write_card
+    from mappers.fit import fit_mapper
+    from stores.build import build_store
+    from tests.mappers.conftest import TEXTS
+    from tests.stores.test_build import HashEmbedder, doc
+    from tests.unit.test_context import saved
+
+    root = tmp_path  # a tiny qwen2 store and a ridge mapper into a tiny llama, as tests/unit/test_router.py builds
+    small, large = saved(root, "qwen2"), saved(root, "llama")
+    small_lm, large_lm = registry.load(str(small), "float32"), registry.load(str(large), "float32")
+    build_store([(f"doc{i}", doc(i, paragraphs=2)) for i in range(4)], root / "store", small_lm,
+                chunk_tokens=32, embedder=HashEmbedder())
+    fit_mapper(small_lm, large_lm, "ridge", TEXTS, root / "mapper", progress=False, fidelity_texts=2, batch_size=4)
+
+    def ctx(folder, **kw):
+        return CachedContext(store=root / "store", target=str(large), mapper=str(folder), embedder=HashEmbedder(),
+                             dtype="float32", max_new_tokens=4, top_k=3, min_retention=0.0, **kw)
+
+    assert ctx(root / "mapper").rank_decay() == 1.0  # never calibrated: keys as translated
+    shutil.copytree(root / "mapper", root / "calibrated")
+    card = Mapper.read_card(root / "calibrated")
+    card.setdefault("fidelity", {})["rank_key_decay"] = {"value": 0.5}
+    write_card(root / "calibrated", card)
+    served = ctx(root / "calibrated")
+    assert served.rank_decay() == 0.5
+    torch.testing.assert_close(_keys(served.prepare(QUESTION)),
+                               _keys(ctx(root / "mapper", rank_key_decay=0.5).prepare(QUESTION)))
+
+
+def test_the_harness_asks_for_the_native_decay_over_another_models_store(tmp_path):
+    # eval.harness places the target's own chunks of a store another model built: its base context's
+    # identity mapper cannot be resolved there, and the native default must not need it.
+    from tests.stores.test_build import HashEmbedder, doc
+    from tests.unit.test_context import saved
+
+    from cag.models import registry
+    from stores.build import build_store
+
+    small, large = saved(tmp_path, "qwen2"), saved(tmp_path, "llama")
+    build_store([("d0", doc(0, paragraphs=1))], tmp_path / "store", registry.load(str(small), "float32"),
+                chunk_tokens=32, embedder=HashEmbedder())
+    base = CachedContext(store=tmp_path / "store", target=str(large), mapper="identity", embedder=HashEmbedder(),
+                         dtype="float32", min_retention=0.0)
+    assert base.rank_decay(native=True) == 1.0
+    with pytest.raises(Exception, match="identity mapper needs one model"):
+        base.rank_decay()  # the path itself: this context cannot serve it
