@@ -64,6 +64,41 @@ def _load_progress(path: Path, fingerprint: str) -> dict[int, dict]:
     return done
 
 
+def direct_reference(lm, asm, texts: list[str], question: str, stops) -> tuple[torch.Tensor, torch.Tensor]:
+    """Direct context's own greedy answer over `texts` (no label is read): the ids a cached context
+    is teacher-forced on (question, answer) and direct context's log-probs ``[n, vocab]`` over the answer."""
+    direct_ids = asm.direct_ids([lm.tokenize(t)[0] for t in texts], question)
+    gen = generate(lm.model, lm.tokenizer, DynamicCache(config=lm.model.config), direct_ids, max_new_tokens=12,
+                   stop_ids=stops)
+    answer = torch.tensor(gen.token_ids or [min(stops)], dtype=torch.long)  # an empty answer: its stop
+    ref = torch.log_softmax(last_logits(lm.model, torch.cat([direct_ids, answer[:-1]])[None],
+                                        DynamicCache(config=lm.model.config), positions=answer.numel()).float(), -1)
+    return torch.cat([asm.question_ids(question), answer[:-1]]), ref
+
+
+def kl_from_reference(lm, cache, forced: torch.Tensor, ref: torch.Tensor) -> float:
+    """Mean KL(direct ‖ cached) over the answer, `forced` teacher-forced on a copy of `cache`."""
+    got = torch.log_softmax(last_logits(lm.model, forced[None], copy.deepcopy(cache),
+                                        positions=ref.shape[-2]).float(), -1)
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+def closest_to_direct(kls: dict, neutral, seed: int = 0) -> tuple[dict, object, object]:
+    """Per grid point its mean KL and paired bootstrap gain over `neutral` (> 0: closer to direct
+    context); the chosen point (the lowest KL if its gain's 95% interval excludes 0, else `neutral`)
+    and the lowest-KL point."""
+    base = np.array(kls[neutral])
+    rng = np.random.default_rng(seed)
+    stats = {}
+    for key, values in kls.items():
+        diff = base - np.array(values)
+        boots = [diff[rng.integers(0, len(diff), len(diff))].mean() for _ in range(2000)]
+        stats[key] = {"kl": float(np.mean(values)), "gain": float(diff.mean()),
+                      "gain_low": float(np.percentile(boots, 2.5)), "gain_high": float(np.percentile(boots, 97.5))}
+    best = min(stats, key=lambda k: stats[k]["kl"])
+    return stats, best if stats[best]["gain_low"] > 0 else neutral, best
+
+
 @torch.inference_mode()
 def calibrate(target: str, items, log, progress_dir: Path) -> dict:
     lm = registry.load(target, "auto")
@@ -79,40 +114,20 @@ def calibrate(target: str, items, log, progress_dir: Path) -> dict:
                 out.append(done[item.id][f"{t},{s}"])
             continue
         texts = _retrieve(item)
-        q = asm.question_ids(item.question)
-        direct_ids = asm.direct_ids([lm.tokenize(t)[0] for t in texts], item.question)
-        cache = DynamicCache(config=lm.model.config)
-        gen = generate(lm.model, lm.tokenizer, cache, direct_ids, max_new_tokens=12, stop_ids=stops)
-        answer = torch.tensor(gen.token_ids or [min(stops)], dtype=torch.long)  # an empty answer: its stop
-        forced = torch.cat([q, answer[:-1]])
-        n = answer.numel()
-        ref_cache = DynamicCache(config=lm.model.config)
-        ref = torch.log_softmax(last_logits(lm.model, torch.cat([direct_ids, answer[:-1]])[None], ref_cache,
-                                            positions=n).float(), -1)
+        forced, ref = direct_reference(lm, asm, texts, item.question, stops)
         placed = asm.place([lm.prefill(t) for t in texts])
         span = (placed.prefix_tokens, placed.context_ids.numel())
         for (t, s), out in kls.items():
             with context_temperature(lm.model, *span, temperature=t, scale=s):
-                got = torch.log_softmax(last_logits(lm.model, forced[None], copy.deepcopy(placed.cache),
-                                                    positions=n).float(), -1)
-            out.append(float((ref.exp() * (ref - got)).sum(-1).mean()))
+                out.append(kl_from_reference(lm, placed.cache, forced, ref))
         row = {"item": item.id, "fingerprint": lm.fingerprint.id, "kl": {f"{t},{s}": v[-1] for (t, s), v in kls.items()}}
         with progress.open("a") as f:
             f.write(json.dumps(row) + "\n")
         log(f"calibrate_ape: {target} {i}/{len(items)}")
-    base = np.array(kls[(1.0, 1.0)])
-    rows = []
-    rng = np.random.default_rng(0)
-    for (t, s), values in kls.items():
-        v = np.array(values)
-        diff = base - v  # > 0: this point is closer to direct context than T = S = 1
-        boots = [diff[rng.integers(0, len(diff), len(diff))].mean() for _ in range(2000)]
-        rows.append({"temperature": t, "scale": s, "kl": float(v.mean()), "gain": float(diff.mean()),
-                     "gain_low": float(np.percentile(boots, 2.5)), "gain_high": float(np.percentile(boots, 97.5))})
-    best = min(rows, key=lambda r: r["kl"])
-    chosen = best if best["gain_low"] > 0 else next(r for r in rows if (r["temperature"], r["scale"]) == (1.0, 1.0))
-    return {"target": target, "n": len(items), "grid": rows, "chosen": chosen, "best": best,
-            "fingerprint": lm.fingerprint.id}
+    stats, chosen, best = closest_to_direct(kls, (1.0, 1.0))
+    rows = {key: {"temperature": key[0], "scale": key[1], **v} for key, v in stats.items()}
+    return {"target": target, "n": len(items), "grid": list(rows.values()), "chosen": rows[chosen],
+            "best": rows[best], "fingerprint": lm.fingerprint.id}
 
 
 def main(argv=None) -> int:

@@ -29,15 +29,12 @@ belongs to that mapper and goes into its card (``fidelity.rank_key_decay``), and
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from transformers import DynamicCache
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,11 +42,12 @@ sys.path.insert(0, str(ROOT))
 from cag import ape  # noqa: E402
 from cag.ape import rank_key_scales  # noqa: E402
 from cag.assembler import Assembler  # noqa: E402
-from cag.generate import generate, last_logits, stop_token_ids  # noqa: E402
+from cag.generate import stop_token_ids  # noqa: E402
 from cag.models import registry  # noqa: E402
 from cag.models.attention import context_temperature  # noqa: E402
 from cag.prompt import layout_for  # noqa: E402
-from eval.calibrate_ape import _load_progress, _retrieve  # noqa: E402
+from eval.calibrate_ape import (  # noqa: E402
+    _load_progress, _retrieve, closest_to_direct, direct_reference, kl_from_reference)
 from eval.calibration_lookup import calibration_lookup  # noqa: E402
 
 GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6)
@@ -58,17 +56,9 @@ GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6)
 def bootstrap_choice(kls: dict[float, list[float]], seed: int = 0) -> tuple[list[dict], dict]:
     """Every grid point's mean KL and paired gain over γ = 1; the lowest-KL point if its gain's
     95% interval excludes 0, else γ = 1."""
-    base = np.array(kls[1.0])
-    rng = np.random.default_rng(seed)
-    rows = []
-    for g, values in kls.items():
-        diff = base - np.array(values)  # > 0: closer to direct context than γ = 1
-        boots = [diff[rng.integers(0, len(diff), len(diff))].mean() for _ in range(2000)]
-        rows.append({"decay": g, "kl": float(np.mean(values)), "gain": float(diff.mean()),
-                     "gain_low": float(np.percentile(boots, 2.5)), "gain_high": float(np.percentile(boots, 97.5))})
-    best = min(rows, key=lambda r: r["kl"])
-    chosen = best if best["gain_low"] > 0 else next(r for r in rows if r["decay"] == 1.0)
-    return rows, chosen
+    stats, chosen, _ = closest_to_direct(kls, 1.0, seed)
+    rows = {g: {"decay": g, **v} for g, v in stats.items()}
+    return list(rows.values()), rows[chosen]
 
 
 @torch.inference_mode()
@@ -95,15 +85,7 @@ def calibrate(target: str, items, top_k: int, log, progress_dir: Path, source: s
                 out.append(done[item.id][str(g)])
             continue
         texts = _retrieve(item, top_k)
-        q = asm.question_ids(item.question)
-        direct_ids = asm.direct_ids([lm.tokenize(t)[0] for t in texts], item.question)
-        gen = generate(lm.model, lm.tokenizer, DynamicCache(config=lm.model.config), direct_ids,
-                       max_new_tokens=12, stop_ids=stops)
-        answer = torch.tensor(gen.token_ids or [min(stops)], dtype=torch.long)  # an empty answer: its stop
-        n = answer.numel()
-        ref = torch.log_softmax(last_logits(lm.model, torch.cat([direct_ids, answer[:-1]])[None],
-                                            DynamicCache(config=lm.model.config), positions=n).float(), -1)
-        forced = torch.cat([q, answer[:-1]])
+        forced, ref = direct_reference(lm, asm, texts, item.question, stops)
         if mapper is None:
             chunks = [lm.prefill(t) for t in texts]
         else:
@@ -114,9 +96,7 @@ def calibrate(target: str, items, top_k: int, log, progress_dir: Path, source: s
             placed = asm.place(chunks, key_scales=None if g == 1.0 else rank_key_scales(scores, g))
             with context_temperature(lm.model, placed.prefix_tokens, placed.context_ids.numel(),
                                      temperature=temperature, scale=scale):
-                got = torch.log_softmax(last_logits(lm.model, forced[None], copy.deepcopy(placed.cache),
-                                                    positions=n).float(), -1)
-            out.append(float((ref.exp() * (ref - got)).sum(-1).mean()))
+                out.append(kl_from_reference(lm, placed.cache, forced, ref))
         with progress.open("a") as f:
             f.write(json.dumps({"item": item.id, "fingerprint": lm.fingerprint.id,
                                 "kl": {str(g): v[-1] for g, v in kls.items()}}) + "\n")
