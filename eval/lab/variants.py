@@ -19,6 +19,8 @@ A variant's name is its recipe, levers joined by ``+``::
     +nat<m>                 the target's own first m layers over the context (m/L of a prefill)
     +tok, +tok<k>           a per-layer ridge from the target's own direct path of tokens t, t−1
                             (or of k tokens t … t−k+1) to what the map above still gets wrong
+    +mlp<h>                 a per-layer two-layer network (hidden h) over [bottleneck, direct path of
+                            t, t−1] fitted to what the map above still gets wrong (`eval/lab/nonlinear.py`)
     +cal                    a context-key logit scale per layer and head, learned by the answer NLL
 
 One eigendecomposition of the features' covariance serves every rank and every
@@ -286,6 +288,12 @@ def _full_basis(lab: Path, hidden: bool, train: Moments, held: Moments) -> Basis
     return basis
 
 
+def fit_cache(lab: Path, kind: str, name: str) -> Path:
+    """Where a fitted lever's weights are cached: keyed by the lab's shard count, so a lab grown by a
+    longer `build` never reuses a fit of fewer rows."""
+    return lab / kind / f"{name}@{len(data.shard_paths(lab))}shards.safetensors"
+
+
 # --------------------------------------------------------------- variants
 
 class Variant:
@@ -419,7 +427,7 @@ class TokenResidualVariant(Variant):
         from safetensors.torch import load_file, save_file
 
         self.base, self.train_rows, self.window = base, base.train_rows, window
-        path = lab / "token_residual" / (f"{base_name}.safetensors" if window == 2 else f"{base_name}.w{window}.safetensors")
+        path = fit_cache(lab, "token_residual", base_name if window == 2 else f"{base_name}.w{window}")
         if path.exists():
             t = load_file(str(path))
         else:
@@ -523,7 +531,7 @@ class CalibratedVariant(Variant):
         from safetensors.torch import load_file, save_file
 
         self.base, self.train_rows = base, base.train_rows
-        path = lab / "calibration" / f"{base_name}.safetensors"
+        path = fit_cache(lab, "calibration", base_name)
         if path.exists():
             t = load_file(str(path))
             self.log_scale, self.history = t["log_scale"], t["history"].tolist()
@@ -555,7 +563,7 @@ class CalibratedVariant(Variant):
         return keys * torch.exp(self.log_scale)[:, :, None, None], values
 
 
-_LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|tok[0-9]*|cal)$")
+_LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|tok[0-9]*|mlp[0-9]+|cal)$")
 
 
 def make(name: str, lab: Path, source, target) -> Variant:
@@ -579,6 +587,8 @@ def make(name: str, lab: Path, source, target) -> Variant:
         # first m layers: the two levers have never been fitted together.
         raise ValueError(f"+nat<m> and +tok do not combine (in {name!r}): the token residual's rows have no "
                          "native layers")
+    if any(lv.startswith("nat") for lv in levers) and any(lv.startswith("mlp") for lv in levers):
+        raise ValueError(f"+nat<m> and +mlp do not combine (in {name!r}): the network's rows have no native layers")
     key_scale = next((float(lv[2:]) for lv in levers if lv.startswith("ks")), 1.0)
     native = next((int(lv[3:]) for lv in levers if lv.startswith("nat")), 0)
     basis, rows = basis_for(lab, "h" in levers, full=rank is None)
@@ -587,8 +597,15 @@ def make(name: str, lab: Path, source, target) -> Variant:
                             output_rank=output_rank, num_layers=target.fingerprint.num_layers)
     tok = next((lv for lv in levers if lv.startswith("tok")), None)
     if tok:  # tok = tokens t, t−1; tok<k> = a window of k tokens
-        variant = TokenResidualVariant(variant, "+".join(lv for lv in [base, *levers] if lv not in (tok, "cal")),
+        variant = TokenResidualVariant(variant, "+".join(lv for lv in [base, *levers]
+                                                         if lv not in (tok, "cal") and not lv.startswith("mlp")),
                                        lab, source, target, window=int(tok[3:] or 2))
+    mlp = next((lv for lv in levers if lv.startswith("mlp")), None)
+    if mlp:
+        from eval.lab.nonlinear import MLPResidualVariant
+
+        variant = MLPResidualVariant(variant, "+".join(lv for lv in [base, *levers] if lv not in (mlp, "cal")),
+                                     lab, source, target, hidden=int(mlp[3:]))
     if "cal" in levers:
         variant = CalibratedVariant(variant, "+".join(lv for lv in [base, *levers] if lv != "cal"), lab, target)
     return variant
