@@ -68,6 +68,11 @@ class PathFidelity:
     # For a +repair path, the settings it was measured with: {"ratio": r, "select": selector}, and on a
     # translated path "translated_key_scale" (absent: 1). A record speaks only for those settings.
     repair: dict | None = None
+    # Answers copied exactly (codes, call signs, invented names), measured beside the lookups when the
+    # record has them: found(path) / found(direct) and n. Common-word lookups alone let a translated
+    # path pass that garbles such answers (eval/results/gate-lab300k); None: not measured.
+    copy_found_retention: float | None = None
+    copy_n: int = 0
 
     @classmethod
     def from_record(cls, path: str, record: dict[str, Any] | None, *, recorded_in: str,
@@ -78,9 +83,13 @@ class PathFidelity:
         def num(key):
             value = record.get(key)
             return float(value) if isinstance(value, (int, float)) else None
+        copy = record.get("copy") if isinstance(record.get("copy"), dict) else {}
+        copy_retention = copy.get("found_retention")
         return cls(path, num("found_retention"), num("f1_retention"), num("found_rate"),
                    num("direct_found_rate"), num("no_context_found_rate"), int(record.get("n") or 0),
-                   str(record.get("items", "")), recorded_in, method, dict(repair) if repair else None)
+                   str(record.get("items", "")), recorded_in, method, dict(repair) if repair else None,
+                   float(copy_retention) if isinstance(copy_retention, (int, float)) else None,
+                   int(copy.get("n") or 0))
 
     def repair_matches(self, ratio: float, select: str, translated_key_scale: float = 1.0) -> bool:
         """Whether this +repair record was measured with these settings."""
@@ -111,8 +120,14 @@ class PathFidelity:
         if self.found_retention < min_retention:
             return False, (f"{self.path} path keeps {self.found_retention:.2f} of direct context's found-rate "
                            f"(n={self.n}), below the gate's {min_retention:.2f}")
+        if self.copy_found_retention is not None and self.copy_found_retention < min_retention:
+            return False, (f"{self.path} path keeps {self.found_retention:.2f} of direct context's found-rate on "
+                           f"lookups but {self.copy_found_retention:.2f} on answers copied exactly (codes, invented "
+                           f"names; n={self.copy_n}), below the gate's {min_retention:.2f}")
+        copied = "" if self.copy_found_retention is None else \
+            f", {self.copy_found_retention:.2f} on answers copied exactly (n={self.copy_n})"
         return True, (f"{self.path} path keeps {self.found_retention:.2f} of direct context's found-rate "
-                      f"(n={self.n}; gate {min_retention:.2f})")
+                      f"(n={self.n}{copied}; gate {min_retention:.2f})")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -66,12 +66,16 @@ def training_needles(length: int, n: int, tokenizer, material: str = "facts") ->
 @contextmanager
 def key_correction_off(mapper):
     """Translate with the map alone: the fit starts from the artifact's correction, not on top of it."""
+    had = "key_correction_rank" in mapper.settings
     rank = mapper.settings.get("key_correction_rank", 0)
     mapper.settings["key_correction_rank"] = 0
     try:
         yield
-    finally:
-        mapper.settings["key_correction_rank"] = rank
+    finally:  # restored exactly: an added key would change the artifact's id, which `export` checks
+        if had:
+            mapper.settings["key_correction_rank"] = rank
+        else:
+            del mapper.settings["key_correction_rank"]
 
 
 @torch.no_grad()  # not inference_mode: the fit backpropagates through these keys

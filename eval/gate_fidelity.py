@@ -15,6 +15,10 @@ chunk caches (the native path) and the store's chunks through ``auto``'s mapper
   retention found(native) / found(direct);
 - ``fidelity.lookup`` in the card of the mapper ``auto`` picks for each pair.
 
+Beside the lookups it measures the same paths on calibration needles whose answers must be
+copied exactly (``--copy-n``, codes and invented names in the essays the translation lab holds
+out), recorded under ``copy``: `cag.gate` refuses a path that passes on lookups and garbles those.
+
 Never point this at an evaluation set: the gate would then be tuned on it.
 """
 
@@ -37,6 +41,15 @@ from eval.run import RESULTS, run_eval  # noqa: E402
 from mappers.base import Mapper, write_card  # noqa: E402
 
 MODELS = ("smollm2-135m", "qwen2.5-0.5b", "gemma3-270m")
+COPY_SEED = 900  # calib-code-needle seeds: lab 13, key correction 700+, length diagnosis 300+
+
+
+def copy_items(n: int, seed: int) -> list:
+    """Code needles planted in the calibration essays the translation lab holds out of its rows."""
+    from eval.calibration_lookup import calibration_code_needles
+    from eval.lab.data import held_out_essays
+
+    return calibration_code_needles(seed=seed, n=n, essays=held_out_essays()) if n > 0 else []
 
 
 def path_record(rows: list[dict], condition: str, items: str) -> dict:
@@ -54,6 +67,15 @@ def path_record(rows: list[dict], condition: str, items: str) -> dict:
             "measured": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv])}
 
 
+def with_copy(record: dict, copy_rows: list[dict], condition: str, items: str) -> dict:
+    """The record with its exact-copy figures under "copy" (what `cag.gate` also checks), when measured."""
+    if not any(condition in r["results"] for r in copy_rows):
+        return record
+    copy = path_record(copy_rows, condition, items)
+    return {**record, "copy": {k: copy[k] for k in ("n", "items", "found_rate", "direct_found_rate",
+                                                    "no_context_found_rate", "found_retention", "f1_retention")}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sources", nargs="+", default=list(MODELS))
@@ -64,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=40, help="calibration questions per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--copy-n", type=int, default=24, help="calibration needles whose answers are copied exactly "
+                    "(codes, call signs, invented names), measured beside the lookups; a path must pass on both")
+    ap.add_argument("--copy-seed", type=int, default=COPY_SEED)
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "gate")
     ap.add_argument("--no-write", action="store_true", help="measure only; leave cards and files alone")
     ap.add_argument("--repair", type=float, default=0.0, help="measure the +repair paths: recompute this share "
@@ -74,6 +99,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     items = calibration_lookup(seed=args.seed)[: args.n]
     items_name = f"{DATASET} seed {args.seed}, first {len(items)}"
+    copies = copy_items(args.copy_n, args.copy_seed)
+    copy_name = f"calib-code-needle seed {args.copy_seed}, {len(copies)} in the lab's held-out essays"
     native_path = native_lookup_path()
     native = json.loads(native_path.read_text()) if native_path.is_file() else {"models": {}}
     cards = {str(folder): (folder, card) for folder, card in available_mappers()}
@@ -96,13 +123,24 @@ def main(argv=None) -> int:
         wanted = {item.id for item in items}  # a resumed folder may hold more items than this run's
         rows = [row for line in (out / RESULTS).read_text().splitlines() if line.strip()
                 for row in [json.loads(line)] if row["item"] in wanted]
+        copy_rows = []
+        if copies:  # the same paths on answers copied exactly, in their own store and folder
+            copy_out = out.parent / f"{out.name}-copy"
+            run_eval(copies, copy_out, source=source, targets=targets, methods=args.methods,
+                     max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
+                     recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
+                     translated_key_scale=scale)
+            wanted_copy = {item.id for item in copies}
+            copy_rows = [row for line in (copy_out / RESULTS).read_text().splitlines() if line.strip()
+                         for row in [json.loads(line)] if row["item"] in wanted_copy]
         src_fp = registry.load(source, "auto").fingerprint
         for target in targets:
             mine = [r for r in rows if r["target"] == target]
             lm = registry.load(target, "auto")
             section = "repair" if repair else "models"
             if target == source or lm.fingerprint.id not in native.setdefault(section, {}):
-                rec = path_record(mine, "native_cache", items_name)
+                rec = with_copy(path_record(mine, "native_cache", items_name),
+                                [r for r in copy_rows if r["target"] == target], "native_cache", copy_name)
                 if repair:
                     rec["repair"] = repair
                 native[section][lm.fingerprint.id] = {"name": target, **rec}
@@ -118,7 +156,9 @@ def main(argv=None) -> int:
                 cond = f"cache:{mapper.method}"
                 if not any(cond in r["results"] for r in mine):
                     continue  # a resumed folder from a run that measured other methods
-                rec = {"method": mapper.method, **path_record(mine, cond, items_name)}
+                rec = {"method": mapper.method, **with_copy(path_record(mine, cond, items_name),
+                                                            [r for r in copy_rows if r["target"] == target],
+                                                            cond, copy_name)}
                 if repair:
                     rec["repair"] = {**repair, **({"translated_key_scale": scale} if scale != 1.0 else {})}
                 report.append({"source": source, "target": target,
@@ -138,14 +178,18 @@ def main(argv=None) -> int:
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# Lookup fidelity of each serving path (what the quality gate reads)", "",
              f"`{' '.join(['python', *sys.argv])}`, {time.strftime('%Y-%m-%d')}, calibration items only "
-             f"({items_name}); found-rate = gold answer appears in the generated answer.", "",
-             "| source | target | path | n | found | direct found | no-context found | found retention | F1 retention |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"({items_name}; copied exactly: {copy_name if copies else 'not measured'}); found-rate = gold "
+             "answer appears in the generated answer.", "",
+             "| source | target | path | n | found | direct found | no-context found | found retention | F1 retention "
+             "| copied exactly: n, found, direct found, found retention |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report:
         path = r["path"] + (f" ({r['method']})" if r.get("method") else "")
         lines.append(f"| {r['source']} | {r['target']} | {path} | {r['n']} | {r['found_rate']:.2f} | "
                      f"{r['direct_found_rate']:.2f} | {r['no_context_found_rate']:.2f} | "
-                     f"{r['found_retention']:.2f} | {r['f1_retention']:.2f} |")
+                     f"{r['found_retention']:.2f} | {r['f1_retention']:.2f} | "
+                     + (f"{c['n']}, {c['found_rate']:.2f}, {c['direct_found_rate']:.2f}, {c['found_retention']:.2f} |"
+                        if (c := r.get("copy")) else "– |"))
     (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

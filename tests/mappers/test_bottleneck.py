@@ -314,3 +314,16 @@ def test_the_token_part_lowers_the_nll_and_folds_into_the_token_residual(fitted,
         want_k = corrected_keys(scored["keys"][:, :, n:] + dk, w["a"], w["b"])
         torch.testing.assert_close(exported["keys"][:, :, n:], want_k, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(exported["values"][:, :, n:], scored["values"][:, :, n:] + dv, rtol=2e-2, atol=2e-2)
+
+
+def test_translating_without_the_key_correction_leaves_the_artifact_id_unchanged(fitted):
+    """`export` checks the correction against the artifact id it was fitted on; switching the correction
+    off for the fit must not add a setting (a map without one was fitted as a different artifact)."""
+    from eval.fit_key_correction import key_correction_off
+
+    _, mapper = fitted
+    before, settings = mapper.artifact_id, dict(mapper.settings)
+    assert "key_correction_rank" not in settings
+    with key_correction_off(mapper):
+        assert mapper.settings["key_correction_rank"] == 0
+    assert mapper.settings == settings and mapper.artifact_id == before

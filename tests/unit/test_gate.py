@@ -81,3 +81,19 @@ def test_a_repair_record_speaks_only_for_its_own_settings_key_scale_included():
     assert not crux.repair_matches(0.2, "retriever_chunk", 0.3)
     older = PathFidelity("translated+repair", repair={"ratio": 0.2, "select": "source"})  # no scale: 1
     assert older.repair_matches(0.2, "source") and not older.repair_matches(0.2, "source", 0.3)
+
+
+def test_a_path_that_garbles_exact_answers_is_refused_though_its_lookups_pass():
+    record = {"found_retention": 0.6, "found_rate": 0.5, "direct_found_rate": 0.83, "no_context_found_rate": 0.0,
+              "n": 30, "items": "calib", "copy": {"found_retention": 0.25, "n": 24}}
+    garbles = PathFidelity.from_record("translated", record, recorded_in="card")
+    assert garbles.copy_found_retention == 0.25 and garbles.copy_n == 24
+    decision = choose_path([garbles], 0.6, "direct")
+    assert decision.path == "direct" and "copied exactly" in decision.rejected[0][1]
+    copies = PathFidelity.from_record("translated", {**record, "copy": {"found_retention": 0.9, "n": 24}},
+                                      recorded_in="card")
+    decision = choose_path([copies], 0.6, "direct")
+    assert decision.path == "translated" and "0.90 on answers copied exactly" in decision.reason
+    # a record without the copy measurement is judged on its lookups, as before
+    assert choose_path([PathFidelity.from_record("translated", {k: v for k, v in record.items() if k != "copy"},
+                                                 recorded_in="card")], 0.6, "direct").path == "translated"
