@@ -18,14 +18,12 @@ so epoch 0 *is* the linear variant. Trained weights are cached under the lab.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from eval.lab import data
 from mappers.bottleneck import direct_features, split_residual, token_residual
 
 
@@ -63,38 +61,19 @@ def _inputs(z: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 def collect_rows(base, lab: Path, source, target) -> dict[str, torch.Tensor]:
     """Every lab row's bottleneck z, direct features f and the base variant's residual r, with a
     held-out flag per row (the lab's held-out contexts). fp16 storage: 61k rows of Qwen2.5 take ~2.3 GB."""
-    from cag.progress import Progress
-    from eval.lab.variants import _context_rows, is_heldout_context
+    from eval.lab.variants import context_rows, is_heldout_context, residual_rows
 
-    fp = target.fingerprint
-    L, hd = fp.num_layers, fp.num_kv_heads * fp.head_dim
-    texts = {c["id"]: c["text"] for c in data.training_corpus()}
-    recorded = {c["id"]: c["sha256"] for c in json.loads((lab / "corpus.json").read_text())}
     zs, fs, rs, held = [], [], [], []
-    paths = data.shard_paths(lab)
-    with Progress("lab mlp rows", total=len(paths), unit="shards", interval_s=20) as bar:
-        for path in paths:
-            shard = data.read_shard(path)
-            for ctx in json.loads(data.load_meta(path)["contexts"]):
-                text = texts[ctx]
-                if hashlib.sha256(text.encode()).hexdigest() != recorded[ctx]:
-                    raise ValueError(f"lab context {ctx} no longer reproduces its recorded text; rebuild the lab")
-                rows = shard["ctx"] == ctx
-                item = {"xkv": shard["xkv"][rows], "xh": shard["xh"][rows],
-                        "has_source": torch.ones(int(rows.sum()), dtype=torch.bool)}
-                ids, pos = _context_rows(source, target, text)
-                keys, values = _linear_of(base).translate(item, target)                  # [L, H, T', D]
-                if base is not _linear_of(base):  # the token residual, over the whole text, at the rows
-                    rk, rv = token_residual(target, ids, base.w, base.mean_f, base.mean_r)
-                    keys, values = keys + rk[:, :, pos], values + rv[:, :, pos]
-                y = data.split_target(shard["y"][rows].float(), L, fp.num_kv_heads)
-                res = torch.cat([(y[0] - keys).permute(0, 2, 1, 3).reshape(L, -1, hd),
-                                 (y[1] - values).permute(0, 2, 1, 3).reshape(L, -1, hd)], -1)   # [L, T', 2HD]
-                zs.append(bottleneck(_linear_of(base), item))
-                fs.append(direct_features(target, ids, 2)[:, pos].half())
-                rs.append(res.half())
-                held.append(torch.full((res.shape[1],), is_heldout_context(ctx)))
-            bar.advance(1)
+    for ctx, item, y, ids, pos in context_rows(lab, source, target, "lab mlp rows"):
+        keys, values = _linear_of(base).translate(item, target)                          # [L, H, T', D]
+        if base is not _linear_of(base):  # the token residual, over the whole text, at the rows
+            rk, rv = token_residual(target, ids, base.w, base.mean_f, base.mean_r)
+            keys, values = keys + rk[:, :, pos], values + rv[:, :, pos]
+        res = residual_rows(y, keys, values)                                             # [L, T', 2HD]
+        zs.append(bottleneck(_linear_of(base), item))
+        fs.append(direct_features(target, ids, 2)[:, pos].half())
+        rs.append(res.half())
+        held.append(torch.full((res.shape[1],), is_heldout_context(ctx)))
     return {"z": torch.cat(zs).float(), "f": torch.cat(fs, 1), "r": torch.cat(rs, 1), "held": torch.cat(held)}
 
 

@@ -459,20 +459,17 @@ def _context_rows(source, target, text: str) -> tuple[torch.Tensor, torch.Tensor
     return ids, ok.nonzero().flatten()
 
 
-def fit_token_residual(base: "LinearVariant", lab: Path, source, target, window: int = 2) -> dict[str, torch.Tensor]:
+def context_rows(lab: Path, source, target, label: str):
+    """Per lab context, in shard order: its id, its rows as a translatable item, the target's K/V rows
+    ``(keys, values)`` ``[L, H, T', D]``, the context's target token ids and the rows' positions among
+    them. Each text is checked against its recorded hash (a changed corpus means a rebuild)."""
     from cag.progress import Progress
 
     fp = target.fingerprint
-    L, hd = fp.num_layers, fp.num_kv_heads * fp.head_dim
     texts = {c["id"]: c["text"] for c in data.training_corpus()}
     recorded = {c["id"]: c["sha256"] for c in json.loads((lab / "corpus.json").read_text())}
-    f_dim = 2 * window * hd
-    stats = {split: {"ff": torch.zeros(L, f_dim, f_dim, dtype=torch.float64),
-                     "fr": torch.zeros(L, f_dim, 2 * hd, dtype=torch.float64),
-                     "f": torch.zeros(L, f_dim, dtype=torch.float64), "r": torch.zeros(L, 2 * hd, dtype=torch.float64),
-                     "rr": torch.zeros(L, 2 * hd, dtype=torch.float64), "n": 0} for split in ("train", "held")}
     paths = data.shard_paths(lab)
-    with Progress("lab token residual", total=len(paths), unit="shards", interval_s=20) as bar:
+    with Progress(label, total=len(paths), unit="shards", interval_s=20) as bar:
         for path in paths:
             shard = data.read_shard(path)
             for ctx in json.loads(data.load_meta(path)["contexts"]):
@@ -483,19 +480,36 @@ def fit_token_residual(base: "LinearVariant", lab: Path, source, target, window:
                 ids, pos = _context_rows(source, target, text)
                 item = {"xkv": shard["xkv"][rows], "xh": shard["xh"][rows],
                         "has_source": torch.ones(int(rows.sum()), dtype=torch.bool)}
-                keys, values = base.translate(item, target)                              # [L, H, T', D]
-                y = data.split_target(shard["y"][rows].float(), L, fp.num_kv_heads)
-                res = torch.cat([(y[0] - keys).permute(0, 2, 1, 3).reshape(L, -1, hd),
-                                 (y[1] - values).permute(0, 2, 1, 3).reshape(L, -1, hd)], -1)   # [L, T', 2HD]
-                f = direct_features(target, ids, window)[:, pos]                            # [L, T', window·2HD]
-                st = stats["held" if is_heldout_context(ctx) else "train"]
-                st["ff"] += torch.bmm(f.transpose(1, 2), f).double()
-                st["fr"] += torch.bmm(f.transpose(1, 2), res).double()
-                st["f"] += f.sum(1).double()
-                st["r"] += res.sum(1).double()
-                st["rr"] += (res * res).sum(1).double()
-                st["n"] += f.shape[1]
+                yield ctx, item, data.split_target(shard["y"][rows].float(), fp.num_layers, fp.num_kv_heads), ids, pos
             bar.advance(1)
+
+
+def residual_rows(y: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[L, T', 2·H·D]``: what a translation still gets wrong, per layer (keys, then values)."""
+    L, hd = keys.shape[0], keys.shape[1] * keys.shape[3]
+    return torch.cat([(y[0] - keys).permute(0, 2, 1, 3).reshape(L, -1, hd),
+                      (y[1] - values).permute(0, 2, 1, 3).reshape(L, -1, hd)], -1)
+
+
+def fit_token_residual(base: "LinearVariant", lab: Path, source, target, window: int = 2) -> dict[str, torch.Tensor]:
+    fp = target.fingerprint
+    L, hd = fp.num_layers, fp.num_kv_heads * fp.head_dim
+    f_dim = 2 * window * hd
+    stats = {split: {"ff": torch.zeros(L, f_dim, f_dim, dtype=torch.float64),
+                     "fr": torch.zeros(L, f_dim, 2 * hd, dtype=torch.float64),
+                     "f": torch.zeros(L, f_dim, dtype=torch.float64), "r": torch.zeros(L, 2 * hd, dtype=torch.float64),
+                     "rr": torch.zeros(L, 2 * hd, dtype=torch.float64), "n": 0} for split in ("train", "held")}
+    for ctx, item, y, ids, pos in context_rows(lab, source, target, "lab token residual"):
+        keys, values = base.translate(item, target)                                      # [L, H, T', D]
+        res = residual_rows(y, keys, values)                                             # [L, T', 2HD]
+        f = direct_features(target, ids, window)[:, pos]                                # [L, T', window·2HD]
+        st = stats["held" if is_heldout_context(ctx) else "train"]
+        st["ff"] += torch.bmm(f.transpose(1, 2), f).double()
+        st["fr"] += torch.bmm(f.transpose(1, 2), res).double()
+        st["f"] += f.sum(1).double()
+        st["r"] += res.sum(1).double()
+        st["rr"] += (res * res).sum(1).double()
+        st["n"] += f.shape[1]
     tr, ho = stats["train"], stats["held"]
     n = tr["n"]
     mf, mr = tr["f"] / n, tr["r"] / n
