@@ -80,16 +80,14 @@ class PathFidelity:
         if not record:
             return cls(path, recorded_in=recorded_in, method=method)
         repair = record.get("repair") if path.endswith("+repair") else None
-        def num(key):
-            value = record.get(key)
-            return float(value) if isinstance(value, (int, float)) else None
         copy = record.get("copy") if isinstance(record.get("copy"), dict) else {}
-        copy_retention = copy.get("found_retention")
+        def num(key, rec=record):
+            value = rec.get(key)
+            return float(value) if isinstance(value, (int, float)) else None
         return cls(path, num("found_retention"), num("f1_retention"), num("found_rate"),
                    num("direct_found_rate"), num("no_context_found_rate"), int(record.get("n") or 0),
                    str(record.get("items", "")), recorded_in, method, dict(repair) if repair else None,
-                   float(copy_retention) if isinstance(copy_retention, (int, float)) else None,
-                   int(copy.get("n") or 0))
+                   num("found_retention", copy), int(copy.get("n") or 0))
 
     def repair_matches(self, ratio: float, select: str, translated_key_scale: float = 1.0) -> bool:
         """Whether this +repair record was measured with these settings."""

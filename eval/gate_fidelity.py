@@ -67,6 +67,13 @@ def path_record(rows: list[dict], condition: str, items: str) -> dict:
             "measured": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv])}
 
 
+def result_rows(out: Path, items: list) -> list[dict]:
+    """A run's result rows for these items (a resumed folder may hold more items than this run's)."""
+    wanted = {item.id for item in items}
+    return [row for line in (out / RESULTS).read_text().splitlines() if line.strip()
+            for row in [json.loads(line)] if row["item"] in wanted]
+
+
 def with_copy(record: dict, copy_rows: list[dict], condition: str, items: str) -> dict:
     """The record with its exact-copy figures under "copy" (what `cag.gate` also checks), when measured."""
     if not any(condition in r["results"] for r in copy_rows):
@@ -120,9 +127,7 @@ def main(argv=None) -> int:
                  max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
                  recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
                  translated_key_scale=scale)
-        wanted = {item.id for item in items}  # a resumed folder may hold more items than this run's
-        rows = [row for line in (out / RESULTS).read_text().splitlines() if line.strip()
-                for row in [json.loads(line)] if row["item"] in wanted]
+        rows = result_rows(out, items)
         copy_rows = []
         if copies:  # the same paths on answers copied exactly, in their own store and folder
             copy_out = out.parent / f"{out.name}-copy"
@@ -130,17 +135,15 @@ def main(argv=None) -> int:
                      max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
                      recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
                      translated_key_scale=scale)
-            wanted_copy = {item.id for item in copies}
-            copy_rows = [row for line in (copy_out / RESULTS).read_text().splitlines() if line.strip()
-                         for row in [json.loads(line)] if row["item"] in wanted_copy]
+            copy_rows = result_rows(copy_out, copies)
         src_fp = registry.load(source, "auto").fingerprint
         for target in targets:
             mine = [r for r in rows if r["target"] == target]
+            mine_copy = [r for r in copy_rows if r["target"] == target]
             lm = registry.load(target, "auto")
             section = "repair" if repair else "models"
             if target == source or lm.fingerprint.id not in native.setdefault(section, {}):
-                rec = with_copy(path_record(mine, "native_cache", items_name),
-                                [r for r in copy_rows if r["target"] == target], "native_cache", copy_name)
+                rec = with_copy(path_record(mine, "native_cache", items_name), mine_copy, "native_cache", copy_name)
                 if repair:
                     rec["repair"] = repair
                 native[section][lm.fingerprint.id] = {"name": target, **rec}
@@ -156,9 +159,8 @@ def main(argv=None) -> int:
                 cond = f"cache:{mapper.method}"
                 if not any(cond in r["results"] for r in mine):
                     continue  # a resumed folder from a run that measured other methods
-                rec = {"method": mapper.method, **with_copy(path_record(mine, cond, items_name),
-                                                            [r for r in copy_rows if r["target"] == target],
-                                                            cond, copy_name)}
+                rec = {"method": mapper.method,
+                       **with_copy(path_record(mine, cond, items_name), mine_copy, cond, copy_name)}
                 if repair:
                     rec["repair"] = {**repair, **({"translated_key_scale": scale} if scale != 1.0 else {})}
                 report.append({"source": source, "target": target,

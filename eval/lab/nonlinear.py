@@ -19,12 +19,14 @@ so epoch 0 *is* the linear variant. Trained weights are cached under the lab.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from mappers.bottleneck import direct_features, split_residual, token_residual
+from eval.lab.variants import Variant, context_rows, fit_cache, is_heldout_context, residual_rows
+from mappers.bottleneck import direct_features, split_residual
 
 
 class PerLayerMLP(torch.nn.Module):
@@ -42,13 +44,6 @@ class PerLayerMLP(torch.nn.Module):
         return torch.baddbmm(self.b2, torch.nn.functional.gelu(torch.baddbmm(self.b1, x, self.w1)), self.w2)
 
 
-def bottleneck(linear, item: dict) -> torch.Tensor:
-    """``[T, r]``: a linear variant's bottleneck coordinates of an item's rows."""
-    from eval.lab.variants import features
-
-    return ((features(item, linear.hidden) - linear.mx) / linear.sd) @ linear.proj
-
-
 def _linear_of(variant):
     return getattr(variant, "base", variant)  # a token-residual variant wraps its linear map
 
@@ -61,16 +56,10 @@ def _inputs(z: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 def collect_rows(base, lab: Path, source, target) -> dict[str, torch.Tensor]:
     """Every lab row's bottleneck z, direct features f and the base variant's residual r, with a
     held-out flag per row (the lab's held-out contexts). fp16 storage: 61k rows of Qwen2.5 take ~2.3 GB."""
-    from eval.lab.variants import context_rows, is_heldout_context, residual_rows
-
     zs, fs, rs, held = [], [], [], []
     for ctx, item, y, ids, pos in context_rows(lab, source, target, "lab mlp rows"):
-        keys, values = _linear_of(base).translate(item, target)                          # [L, H, T', D]
-        if base is not _linear_of(base):  # the token residual, over the whole text, at the rows
-            rk, rv = token_residual(target, ids, base.w, base.mean_f, base.mean_r)
-            keys, values = keys + rk[:, :, pos], values + rv[:, :, pos]
-        res = residual_rows(y, keys, values)                                             # [L, T', 2HD]
-        zs.append(bottleneck(_linear_of(base), item))
+        res = residual_rows(y, *base.translate_rows(item, target, ids, pos))            # [L, T', 2HD]
+        zs.append(_linear_of(base).bottleneck(item))
         fs.append(direct_features(target, ids, 2)[:, pos].half())
         rs.append(res.half())
         held.append(torch.full((res.shape[1],), is_heldout_context(ctx)))
@@ -129,23 +118,19 @@ def fit_mlp(rows: dict[str, torch.Tensor], hidden: int, *, epochs: int = 12, bat
     return state, history
 
 
-class MLPResidualVariant:
+class MLPResidualVariant(Variant):
     """A linear (or token-residual) variant plus the fitted per-layer network (`fit_mlp`)."""
 
     def __init__(self, base, base_name: str, lab: Path, source, target, hidden: int) -> None:
         from safetensors.torch import load_file, save_file
 
         self.base, self.train_rows, self.hidden_width = base, base.train_rows, hidden
-        from eval.lab.variants import fit_cache
-
         path = fit_cache(lab, "mlp_residual", f"{base_name}.mlp{hidden}")
         if path.exists():
             state = load_file(str(path))
             self.history = json.loads(path.with_suffix(".json").read_text())
         else:
             rows = collect_rows(base, lab, source, target)
-            import sys
-
             state, self.history = fit_mlp(rows, hidden, log=lambda s: print(s, file=sys.stderr, flush=True))
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(path))
@@ -155,10 +140,6 @@ class MLPResidualVariant:
         self.net = PerLayerMLP(L, d_in, hidden, state["w2"].shape[-1])
         self.net.load_state_dict(state)
         self.net.requires_grad_(False)
-
-    @property
-    def native_layers(self) -> int:
-        return 0
 
     def describe(self) -> str:
         h = self.history
@@ -170,7 +151,7 @@ class MLPResidualVariant:
 
     def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.base.translate(item, target)
-        z = bottleneck(_linear_of(self.base), item)
+        z = _linear_of(self.base).bottleneck(item)
         f = direct_features(target, item["token_ids"], 2)
         with torch.no_grad():
             r = self.net((_inputs(z, f) - self.x_mean) / self.x_sd)

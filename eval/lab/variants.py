@@ -307,6 +307,11 @@ class Variant:
     def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def translate_rows(self, item: dict, target, ids: torch.Tensor, pos: torch.Tensor):
+        """`translate` of a lab context's training rows: ``ids`` are the context's target tokens and
+        ``pos`` the rows' positions among them (what a token-level lever reads)."""
+        return self.translate(item, target)
+
 
 class LinearVariant(Variant):
     def __init__(self, basis: Basis, train_rows: int, head_dim: int, *, rank: int | None, hidden: bool,
@@ -359,10 +364,12 @@ class LinearVariant(Variant):
                 + (f", keys ×{self.key_scale:g}" if self.key_scale != 1 else "")
                 + (f", first {self.native_layers} target layers native" if self.native_layers else ""))
 
+    def bottleneck(self, item: dict) -> torch.Tensor:
+        """``[T, r]``: the item's rows in the map's bottleneck coordinates."""
+        return ((features(item, self.hidden) - self.mx) / self.sd) @ self.proj
+
     def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
-        x = features(item, self.hidden)
-        z = ((x - self.mx) / self.sd) @ self.proj
-        y = (z @ self.coef) * self.scale + self.my
+        y = (self.bottleneck(item) @ self.coef) * self.scale + self.my
         y[~item["has_source"]] = self.my
         fp = target.fingerprint
         keys, values = data.split_target(y, fp.num_layers, fp.num_kv_heads)
@@ -447,6 +454,11 @@ class TokenResidualVariant(Variant):
         if m:
             rk[:m], rv[:m] = 0, 0
         return keys + rk, values + rv
+
+    def translate_rows(self, item: dict, target, ids: torch.Tensor, pos: torch.Tensor):
+        keys, values = self.base.translate(item, target)  # training rows hold no native layers
+        rk, rv = token_residual(target, ids, self.w, self.mean_f, self.mean_r)   # over the whole text
+        return keys + rk[:, :, pos], values + rv[:, :, pos]
 
 
 def _context_rows(source, target, text: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -609,19 +621,19 @@ def make(name: str, lab: Path, source, target) -> Variant:
     variant = LinearVariant(basis, rows, target.fingerprint.head_dim, rank=rank, hidden="h" in levers,
                             match="match" in levers, key_scale=key_scale, native_layers=native,
                             output_rank=output_rank, num_layers=target.fingerprint.num_layers)
+    # Each wrapping lever is fitted on (and its fit cached under the name of) the levers applied before it.
     tok = next((lv for lv in levers if lv.startswith("tok")), None)
-    if tok:  # tok = tokens t, t−1; tok<k> = a window of k tokens
-        variant = TokenResidualVariant(variant, "+".join(lv for lv in [base, *levers]
-                                                         if lv not in (tok, "cal") and not lv.startswith("mlp")),
-                                       lab, source, target, window=int(tok[3:] or 2))
     mlp = next((lv for lv in levers if lv.startswith("mlp")), None)
+    name_without = lambda *drop: "+".join(lv for lv in [base, *levers] if lv not in drop)  # noqa: E731
+    if tok:  # tok = tokens t, t−1; tok<k> = a window of k tokens
+        variant = TokenResidualVariant(variant, name_without(tok, mlp, "cal"), lab, source, target,
+                                       window=int(tok[3:] or 2))
     if mlp:
         from eval.lab.nonlinear import MLPResidualVariant
 
-        variant = MLPResidualVariant(variant, "+".join(lv for lv in [base, *levers] if lv not in (mlp, "cal")),
-                                     lab, source, target, hidden=int(mlp[3:]))
+        variant = MLPResidualVariant(variant, name_without(mlp, "cal"), lab, source, target, hidden=int(mlp[3:]))
     if "cal" in levers:
-        variant = CalibratedVariant(variant, "+".join(lv for lv in [base, *levers] if lv != "cal"), lab, target)
+        variant = CalibratedVariant(variant, name_without("cal"), lab, target)
     return variant
 
 

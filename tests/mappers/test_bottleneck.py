@@ -327,3 +327,27 @@ def test_translating_without_the_key_correction_leaves_the_artifact_id_unchanged
     with key_correction_off(mapper):
         assert mapper.settings["key_correction_rank"] == 0
     assert mapper.settings == settings and mapper.artifact_id == before
+
+
+def test_a_token_residual_translates_training_rows_as_it_translates_the_whole_text(fitted, llama, gemma2tok, texts):
+    """`translate_rows` (the lab's training rows: only aligned tokens, the token residual read over the
+    whole text) gives exactly what `translate` gives at those positions."""
+    variant, _ = fitted
+    fp = gemma2tok.fingerprint
+    hd = fp.num_kv_heads * fp.head_dim
+    g = torch.Generator().manual_seed(7)
+    tok = object.__new__(variants.TokenResidualVariant)
+    tok.base, tok.train_rows, tok.sse_drop, tok.window = variant, variant.train_rows, 0.1, 2
+    tok.w = 0.05 * torch.randn(fp.num_layers, 4 * hd, 2 * hd, generator=g)
+    tok.mean_f = torch.randn(fp.num_layers, 4 * hd, generator=g)
+    tok.mean_r = 0.1 * torch.randn(fp.num_layers, 2 * hd, generator=g)
+    text = texts[1]
+    ids = gemma2tok.tokenize(text)[0]
+    item = {**_item(llama, gemma2tok, text), "token_ids": ids}
+    pos = item["has_source"].nonzero().flatten()
+    assert len(pos) > 0
+    rows = {"xkv": item["xkv"][pos], "has_source": torch.ones(len(pos), dtype=torch.bool)}
+    keys, values = tok.translate(item, gemma2tok)
+    row_keys, row_values = tok.translate_rows(rows, gemma2tok, ids, pos)
+    torch.testing.assert_close(row_keys, keys[:, :, pos])
+    torch.testing.assert_close(row_values, values[:, :, pos])
