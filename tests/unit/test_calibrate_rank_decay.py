@@ -2,16 +2,23 @@
 
 import json
 
-from eval.calibrate_rank_decay import bootstrap_choice, write_defaults
+from eval.calibrate_rank_decay import bootstrap_choice, point_name, schedule_scales, write_defaults
 
 
 def test_the_lowest_kl_is_chosen_only_when_its_gain_is_clear():
-    clear = {1.0: [0.5, 0.6, 0.4, 0.5], 0.9: [0.3, 0.4, 0.2, 0.3], 0.8: [0.4, 0.5, 0.3, 0.4]}
+    clear = {(1.0, None): [0.5, 0.6, 0.4, 0.5], (0.9, None): [0.3, 0.4, 0.2, 0.3], (0.9, 2): [0.4, 0.5, 0.3, 0.4]}
     rows, chosen = bootstrap_choice(clear)
-    assert chosen["decay"] == 0.9 and chosen["gain_low"] > 0
-    assert {r["decay"] for r in rows} == {1.0, 0.9, 0.8}
-    noisy = {1.0: [0.5, 0.1, 0.9, 0.2], 0.9: [0.1, 0.6, 0.3, 0.5]}  # lower on average, not clearly
+    assert (chosen["decay"], chosen["max_rank"]) == (0.9, None) and chosen["gain_low"] > 0
+    assert {(r["decay"], r["max_rank"]) for r in rows} == set(clear)
+    noisy = {(1.0, None): [0.5, 0.1, 0.9, 0.2], (0.9, None): [0.1, 0.6, 0.3, 0.5]}  # lower on average, not clearly
     assert bootstrap_choice(noisy)[1]["decay"] == 1.0
+
+
+def test_the_schedule_caps_the_exponent_and_leaves_gamma_one_alone():
+    assert schedule_scales(3, 1.0, None) is None
+    assert schedule_scales(4, 0.5, None) == [1.0, 0.5, 0.25, 0.125]
+    assert schedule_scales(5, 0.5, 2) == [1.0, 0.5, 0.25, 0.25, 0.25]
+    assert point_name((0.9, None)) == "0.9" and point_name((0.9, 3)) == "0.9|3"  # the old progress keys hold
 
 
 def test_the_decay_joins_the_entry_and_keeps_what_it_held(tmp_path):

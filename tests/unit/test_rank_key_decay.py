@@ -16,7 +16,8 @@ QUESTION = "tower of Velmora"
 
 def test_scales_follow_the_retrieval_rank_not_the_placement_order():
     assert ape.rank_key_scales([0.9, 0.5, 0.7], 0.5) == [1.0, 0.25, 0.5]
-    assert ape.rank_key_scales([0.2, 0.2, 0.1], 0.8) == [1.0, 0.8, pytest.approx(0.64)]  # ties keep their order
+    assert ape.rank_key_scales([0.2, 0.2, 0.1], 0.8) == [1.0, 1.0, pytest.approx(0.64)]  # ties share a rank
+    assert ape.rank_key_scales([1.0] * 16, 0.95) == [1.0] * 16  # whole-document context: no ranking to follow
     assert ape.rank_key_scales([], 0.5) == []
 
 
