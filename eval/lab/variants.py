@@ -13,6 +13,9 @@ A variant's name is its recipe, levers joined by ``+``::
                             best (each target layer's keys and its values weighted alike), instead
                             of the r directions along which the source varies most
     +h                      the source's hidden states (every second layer) join the features
+    +qw                     reduced-rank regression weighs each key channel by the energy the
+                            target's own lookup queries put on it (rrr<r> only; `query_energy`):
+                            the rank goes to the channels a question's logits read
     +match                  translated keys get the target's per-channel spread back (ridge shrinks
                             every channel toward its mean; the massive rotary channels suffer most)
     +ks<a>                  translated keys scaled by a (0.9-1.5): a global logit temperature
@@ -316,7 +319,7 @@ class Variant:
 class LinearVariant(Variant):
     def __init__(self, basis: Basis, train_rows: int, head_dim: int, *, rank: int | None, hidden: bool,
                  match: bool, key_scale: float, native_layers: int, output_rank: int | None = None,
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None, key_energy: torch.Tensor | None = None) -> None:
         self.train_rows = train_rows
         f, d = basis.num_features, basis.cxy.shape[1]
         held = f if basis.full_rank_only else basis.u.shape[1]
@@ -344,11 +347,13 @@ class LinearVariant(Variant):
             self.proj = basis.u[:, : self.rank].contiguous()         # [F, r]: the shared bottleneck
             self.coef = coef                                          # [r, D]
         else:
-            coef, self.proj, self.coef = reduce_rank(basis, coef, output_rank, output_weights(basis, num_layers))
+            coef, self.proj, self.coef = reduce_rank(basis, coef, output_rank,
+                                                     output_weights(basis, num_layers, key_energy))
             best_sse = basis.heldout_sse(coef).reshape(-1, dt).sum(-1)
         self.heldout_r2 = float(1 - best_sse.sum() / basis.held_sst.sum())
         self.mx, self.sd, self.my = basis.mx.float(), basis.sd.float(), basis.my.float()
         self.hidden, self.match, self.key_scale, self.native_layers = hidden, match, key_scale, native_layers
+        self.query_weighted = key_energy is not None
         self.scale = torch.ones(d)
         if match:  # per output column: the target's spread over the prediction's, keys only
             ratio = (basis.train_var / basis.predicted_var(coef).clamp_min(1e-12)).sqrt()
@@ -360,6 +365,7 @@ class LinearVariant(Variant):
                 else f"rank {self.rank}")
         return (f"{rank}, features {'K,V,hidden' if self.hidden else 'K,V'} of all source layers, "
                 f"held-out R² {self.heldout_r2:.3f}, λ median {sorted(self.lambdas)[len(self.lambdas) // 2]:g}"
+                + (", key channels weighted by the target's lookup queries" if self.query_weighted else "")
                 + (", keys spread-matched" if self.match else "")
                 + (f", keys ×{self.key_scale:g}" if self.key_scale != 1 else "")
                 + (f", first {self.native_layers} target layers native" if self.native_layers else ""))
@@ -379,12 +385,55 @@ class LinearVariant(Variant):
         return keys, values
 
 
-def output_weights(basis: Basis, num_layers: int) -> torch.Tensor:
+def output_weights(basis: Basis, num_layers: int, key_energy: torch.Tensor | None = None) -> torch.Tensor:
     """``[D]`` column weights for reduced-rank regression: each target layer's keys, and its
     values, carry equal total weight. Raw squared error would hand the rank to the keys'
-    massive channels and starve the values, which carry the token identity a lookup copies."""
+    massive channels and starve the values, which carry the token identity a lookup copies.
+
+    `key_energy` ``[L·H·D]`` (`query_energy`): within each layer's keys, a channel's error counts
+    in proportion to E[q²] of the queries that read it, the error a logit ``q·k`` sees; the
+    layer's keys keep the same total weight."""
     var = basis.train_var.clamp_min(1e-12).reshape(2, num_layers, -1)
-    return var.mean(-1, keepdim=True).rsqrt().expand_as(var).reshape(-1)
+    w2 = var.mean(-1, keepdim=True).reciprocal().expand_as(var).clone()        # squared weights
+    if key_energy is not None:
+        e = key_energy.reshape(num_layers, -1).clamp_min(1e-12)
+        w2[0] = e * var.shape[-1] / (e * var[0]).sum(-1, keepdim=True)
+    return w2.sqrt().reshape(-1)
+
+
+def query_energy(lab: Path, target, n: int = 16) -> torch.Tensor:
+    """``[L·H·D]``: E[q²] per key channel (the target's de-rotated layout) of the target's own
+    queries at the question tokens of the lab's `tune` lookups, read with direct context.
+
+    Rotary position turns each channel pair (c, c + D/2) by the query-key distance, so over
+    many distances a pair's error meets the pair's query energy, not a channel's: both channels
+    get the pair's mean. Query heads sharing a KV head are averaged. Cached in the lab's stats."""
+    from cag.assembler import Assembler
+    from cag.models.attention import capture_attention
+    from cag.prompt import layout_for
+
+    cache = lab / "stats" / f"query_energy-tune{n}.safetensors"
+    if cache.exists():
+        return load_file(str(cache))["energy"]
+    asm = Assembler(target, layout_for(target.tokenizer))
+    fp = target.fingerprint
+    total = torch.zeros(fp.num_layers, fp.num_kv_heads, fp.head_dim // 2, dtype=torch.float64)
+    count = 0
+    for item in data.lookup_items("tune", n):
+        question = asm.question_ids(item.question)
+        ids = asm.direct_ids([target.tokenize(item.documents[0].text)[0]], item.question)
+        store: dict = {}
+        with torch.inference_mode(), capture_attention(target.model, store):
+            target.model.model(input_ids=ids[None])
+        for layer, (q, *_rest) in store.items():
+            q = q[:, -question.numel():].double()                                # [Hq, Tq, D]
+            pair = q[..., : fp.head_dim // 2] ** 2 + q[..., fp.head_dim // 2:] ** 2
+            total[layer] += pair.reshape(fp.num_kv_heads, -1, *pair.shape[1:]).sum((1, 2))
+        count += question.numel() * (store[0][0].shape[0] // fp.num_kv_heads)  # query heads per KV head
+    energy = (total / (2 * count)).repeat(1, 1, 2).float().reshape(-1).contiguous()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"energy": energy}, str(cache))
+    return energy
 
 
 def reduce_rank(basis: Basis, coef: torch.Tensor, r: int,
@@ -589,7 +638,7 @@ class CalibratedVariant(Variant):
         return keys * torch.exp(self.log_scale)[:, :, None, None], values
 
 
-_LEVER = re.compile(r"^(h|match|ks[0-9.]+|nat[0-9]+|tok[0-9]*|mlp[0-9]+|cal)$")
+_LEVER = re.compile(r"^(h|qw|match|ks[0-9.]+|nat[0-9]+|tok[0-9]*|mlp[0-9]+|cal)$")
 
 
 def make(name: str, lab: Path, source, target) -> Variant:
@@ -615,12 +664,15 @@ def make(name: str, lab: Path, source, target) -> Variant:
                          "native layers")
     if any(lv.startswith("nat") for lv in levers) and any(lv.startswith("mlp") for lv in levers):
         raise ValueError(f"+nat<m> and +mlp do not combine (in {name!r}): the network's rows have no native layers")
+    if "qw" in levers and output_rank is None:
+        raise ValueError(f"+qw weighs reduced-rank regression's output; it needs rrr<r> (in {name!r})")
     key_scale = next((float(lv[2:]) for lv in levers if lv.startswith("ks")), 1.0)
     native = next((int(lv[3:]) for lv in levers if lv.startswith("nat")), 0)
     basis, rows = basis_for(lab, "h" in levers, full=rank is None)
     variant = LinearVariant(basis, rows, target.fingerprint.head_dim, rank=rank, hidden="h" in levers,
                             match="match" in levers, key_scale=key_scale, native_layers=native,
-                            output_rank=output_rank, num_layers=target.fingerprint.num_layers)
+                            output_rank=output_rank, num_layers=target.fingerprint.num_layers,
+                            key_energy=query_energy(lab, target) if "qw" in levers else None)
     # Each wrapping lever is fitted on (and its fit cached under the name of) the levers applied before it.
     tok = next((lv for lv in levers if lv.startswith("tok")), None)
     mlp = next((lv for lv in levers if lv.startswith("mlp")), None)

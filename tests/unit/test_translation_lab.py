@@ -172,6 +172,55 @@ def test_output_weights_give_each_layers_keys_and_values_equal_weight():
     torch.testing.assert_close(totals, torch.full((4,), 4.0))
 
 
+def test_query_weighted_output_weights_follow_the_query_energy_and_keep_each_blocks_total():
+    class B:
+        pass
+
+    b = B()
+    b.train_var = torch.cat([torch.full((4,), 100.0), torch.full((4,), 1.0), torch.full((4,), 0.01), torch.full((4,), 4.0)])
+    energy = torch.tensor([1.0, 1.0, 9.0, 9.0, 4.0, 4.0, 4.0, 4.0])  # keys of layers 0, 1
+    w = variants.output_weights(b, num_layers=2, key_energy=energy)
+    totals = (w ** 2 * b.train_var).reshape(4, 4).sum(-1)
+    torch.testing.assert_close(totals, torch.full((4,), 4.0))
+    torch.testing.assert_close(w[2] / w[0], torch.tensor(3.0))                 # √(9 / 1) within layer 0's keys
+    torch.testing.assert_close(w[4:8], torch.full((4,), float(w[4])))          # uniform energy: as unweighted
+    torch.testing.assert_close(w[8:], variants.output_weights(b, num_layers=2)[8:])  # values untouched
+    with pytest.raises(ValueError, match="needs rrr"):
+        variants.make("pca64+qw", None, None, None)
+
+
+def test_query_energy_is_the_question_queries_pair_energy_per_kv_head(tiny, tmp_path, monkeypatch):
+    from cag.assembler import Assembler
+    from cag.models.attention import capture_attention
+    from cag.prompt import layout_for
+    from eval.datasets import Document, QAItem
+
+    items = [QAItem(id=f"q{i}", question=f"Where is the tower number {i}?", answers=("x",),
+                    documents=(Document(id=f"d{i}", text=f"The tower number {i} stands by the river."),))
+             for i in range(2)]
+    monkeypatch.setattr(variants.data, "lookup_items", lambda split, n: items[:n])
+    energy = variants.query_energy(tmp_path, tiny, n=2)
+    fp = tiny.fingerprint
+    assert energy.shape == (fp.num_layers * fp.num_kv_heads * fp.head_dim,)
+    e = energy.reshape(fp.num_layers, fp.num_kv_heads, fp.head_dim)
+    torch.testing.assert_close(e[..., : fp.head_dim // 2], e[..., fp.head_dim // 2:])  # a rotary pair shares it
+    # layer 0, KV head 0, by hand: the mean over its query heads and question tokens of q_c² + q_{c+D/2}², halved
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    qs = []
+    for item in items:
+        store: dict = {}
+        ids = asm.direct_ids([tiny.tokenize(item.documents[0].text)[0]], item.question)
+        with torch.inference_mode(), capture_attention(tiny.model, store):
+            tiny.model.model(input_ids=ids[None])
+        group = store[0][0].shape[0] // fp.num_kv_heads
+        qs.append(store[0][0][:group, -asm.question_ids(item.question).numel():].reshape(-1, fp.head_dim))
+    q = torch.cat(qs).double()
+    half = fp.head_dim // 2
+    want = ((q[:, :half] ** 2 + q[:, half:] ** 2).mean(0) / 2).float()
+    torch.testing.assert_close(e[0, 0, :half], want, rtol=1e-4, atol=1e-6)
+    assert (tmp_path / "stats" / "query_energy-tune2.safetensors").exists()      # cached for the next variant
+
+
 def test_wide_basis_fits_the_same_reduced_rank_map_as_the_eigenbasis():
     """The Cholesky path (hidden states beside K/V: too wide to eigendecompose in minutes)
     gives the same ridge, held-out error, spread and reduced-rank map as the eigenbasis."""
