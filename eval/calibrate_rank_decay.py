@@ -213,6 +213,10 @@ def main(argv=None) -> int:
         {"command": command, "date": time.strftime("%Y-%m-%d"), "results": results}, indent=2) + "\n")
     lines = report(results, command, args.top_k, args.source)
     (args.out / f"{name}.md").write_text("\n".join(lines))
+    capped = [r["target"] for r in results if r["chosen"].get("max_rank") is not None]
+    if capped and not args.no_write:  # the runtime applies γ**rank uncapped: a capped choice would be served wrong
+        raise SystemExit(f"a capped γ was chosen for {capped}, and `cag.ape` serves γ uncapped; the tables are "
+                         "written, the defaults are not (rerun with --no-write, or teach the runtime the cap)")
     if not args.no_write and args.source is None:
         write_defaults(results, command)
     elif not args.no_write:

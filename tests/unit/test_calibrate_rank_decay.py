@@ -57,3 +57,21 @@ def test_a_translated_paths_decay_goes_into_its_mappers_card_only(tmp_path, monk
     assert "rank_key_decay" not in Mapper.read_card(tmp_path / "b")["fidelity"]
     with pytest.raises(SystemExit, match="no shipped"):
         write_card_decay({**result, "target": "v"}, "cmd")
+
+
+def test_a_capped_choice_is_never_written_where_the_runtime_would_serve_it_uncapped(tmp_path, monkeypatch):
+    import pytest
+
+    import eval.calibrate_rank_decay as crd
+
+    row = {"decay": 0.9, "max_rank": 3, "kl": 0.2, "gain": 0.1, "gain_low": 0.05, "gain_high": 0.15,
+           "kl_at": {"4": 0.2}}
+    result = {"target": "m", "n": 1, "top_k": 4, "ape": [1.0, 1.0], "grid": [row], "chosen": row,
+              "fingerprint": "fp", "source": None, "mapper": None}
+    monkeypatch.setattr(crd, "calibration_lookup", lambda seed: [])
+    monkeypatch.setattr(crd, "calibrate", lambda *a, **k: result)
+    monkeypatch.setattr(crd, "write_defaults", lambda *a, **k: pytest.fail("a capped γ was written"))
+    with pytest.raises(SystemExit, match="capped"):
+        crd.main(["--targets", "m", "--caps", "3", "--out", str(tmp_path)])
+    assert (tmp_path / "calibration.md").exists()                  # the tables are kept
+    assert crd.main(["--targets", "m", "--caps", "3", "--out", str(tmp_path), "--no-write"]) == 0
