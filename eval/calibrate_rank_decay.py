@@ -89,37 +89,39 @@ def calibrate(target: str, items, top_ks: list[int], log, progress_dir: Path, so
         mapper = resolve_mapper(method, src.fingerprint, lm)
     temperature, scale = ape.resolve(None, None, fingerprint_id=lm.fingerprint.id, native=mapper is None)
     points = [(1.0, None)] + [(g, c) for g in GRID if g != 1.0 for c in caps]
-    kls: dict[tuple, list[float]] = {p: [] for p in points}
     per_k: dict[int, dict[tuple, list[float]]] = {k: {p: [] for p in points} for k in top_ks}
     progress_dir.mkdir(parents=True, exist_ok=True)
     tag = "" if mapper is None else f"-{mapper.artifact_id}"
+
+    def item_kls(item, k: int, row: dict) -> dict:
+        """`row` completed with the KL of every grid point it lacks, for `item` at top-`k`."""
+        texts = _retrieve(item, k)  # best first: the i-th placed chunk has rank i
+        forced, ref = direct_reference(lm, asm, texts, item.question, stops)
+        if mapper is None:
+            chunks = [lm.prefill(t) for t in texts]
+        else:
+            chunks = mapper.translate_batch([src.prefill(t) for t in texts], texts, lm)
+        for p in (p for p in points if point_name(p) not in row):
+            placed = asm.place(chunks, key_scales=schedule_scales(len(chunks), *p))
+            with context_temperature(lm.model, placed.prefix_tokens, placed.context_ids.numel(),
+                                     temperature=temperature, scale=scale):
+                row[point_name(p)] = kl_from_reference(lm, placed.cache, forced, ref)
+        return row
+
     for k in top_ks:
         progress = progress_dir / f"{target.replace('/', '_')}-k{k}{tag}.jsonl"
         done = _load_progress(progress, lm.fingerprint.id)
         for i, item in enumerate(items, 1):
-            row = done.get(item.id)
-            if row is None or any(point_name(p) not in row for p in points):  # new, or a grid point it lacks
-                texts = _retrieve(item, k)  # best first: the i-th placed chunk has rank i
-                forced, ref = direct_reference(lm, asm, texts, item.question, stops)
-                if mapper is None:
-                    chunks = [lm.prefill(t) for t in texts]
-                else:
-                    chunks = mapper.translate_batch([src.prefill(t) for t in texts], texts, lm)
-                row = dict(row or {})
-                for p in points:
-                    if point_name(p) in row:
-                        continue
-                    placed = asm.place(chunks, key_scales=schedule_scales(len(chunks), *p))
-                    with context_temperature(lm.model, placed.prefix_tokens, placed.context_ids.numel(),
-                                             temperature=temperature, scale=scale):
-                        row[point_name(p)] = kl_from_reference(lm, placed.cache, forced, ref)
+            row = dict(done.get(item.id) or {})
+            if any(point_name(p) not in row for p in points):  # new, or a grid point it lacks
+                row = item_kls(item, k, row)
                 with progress.open("a") as f:
                     f.write(json.dumps({"item": item.id, "fingerprint": lm.fingerprint.id, "kl": row}) + "\n")
             for p in points:
-                kls[p].append(row[point_name(p)])
                 per_k[k][p].append(row[point_name(p)])
             log(f"calibrate_rank_decay: {target} top-{k} {i}/{len(items)}")
-    rows, chosen = bootstrap_choice(kls)
+    # pooled: every item at every k, paired across grid points
+    rows, chosen = bootstrap_choice({p: [v for k in top_ks for v in per_k[k][p]] for p in points})
     for r in rows:
         r["kl_at"] = {str(k): float(np.mean(per_k[k][(r["decay"], r["max_rank"])])) for k in top_ks}
     return {"target": target, "n": len(items), "top_k": top_ks[0] if len(top_ks) == 1 else top_ks,
