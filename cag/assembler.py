@@ -216,9 +216,10 @@ class Assembler:
 
     @torch.inference_mode()
     def question_mass(self, keys: torch.Tensor, values: torch.Tensor, total: int,
-                      question_ids: torch.Tensor) -> torch.Tensor:
+                      question_ids: torch.Tensor, per_head: bool = False) -> torch.Tensor:
         """Attention mass ``[total]`` the question puts on each placed position, averaged over
-        layers, heads and question tokens (rotated `keys`/`values` of every position)."""
+        layers, heads and question tokens (rotated `keys`/`values` of every position).
+        `per_head`: ``[layers, heads, total]`` instead, averaged over question tokens only."""
         from cag.models.attention import attention_logits, capture_attention
 
         cache = DynamicCache()  # keeps every token, whatever the layer kind
@@ -231,15 +232,17 @@ class Assembler:
                                     past_key_values=cache, use_cache=True)
         q_pos = torch.arange(total, total + q_len)
         k_pos = torch.arange(total + q_len)
-        mass = torch.zeros(total)
+        per_layer = []
         for layer in range(self.target.adapter.num_layers):
             q, k, _, scaling, window = captured[layer]
             probs = torch.softmax(attention_logits(q, k, scaling, window, q_pos, k_pos), -1)
-            mass += probs[:, :, :total].float().mean(dim=(0, 1)).cpu()
-        return mass / self.target.adapter.num_layers
+            per_layer.append(probs[:, :, :total].float().mean(dim=1).cpu())  # [heads, total]
+        heads = torch.stack(per_layer)
+        return heads if per_head else heads.mean(dim=(0, 1))
 
     @torch.inference_mode()
-    def context_attention(self, chunks: Sequence[KVChunk], question_ids: torch.Tensor) -> torch.Tensor:
+    def context_attention(self, chunks: Sequence[KVChunk], question_ids: torch.Tensor,
+                          per_head: bool = False) -> torch.Tensor:
         """`question_mass` of `question_ids` over head + `chunks` placed as stored (no recompute)."""
         parts = [self.prefix(), *chunks]
         for chunk in chunks:
@@ -250,7 +253,7 @@ class Assembler:
         total = keys.shape[2]
         self.target.adapter.rotate(keys, torch.arange(total), out=keys)
         with self.model_lock:
-            return self.question_mass(keys, values, total, question_ids)
+            return self.question_mass(keys, values, total, question_ids, per_head=per_head)
 
     @torch.inference_mode()
     def _recompute(self, keys: torch.Tensor, values: torch.Tensor, context_ids: torch.Tensor,

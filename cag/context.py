@@ -570,7 +570,8 @@ class CachedContext(BaseModel):
             source_chunks = [KVChunk.from_bytes(self._chunks.get(h.key), expect_model=manifest.source_fingerprint)
                              for h in used]
             choose = selection.source_guided_chunks if select == "source_chunk" else selection.source_guided_spans
-            spans = choose(self._source_assembler(), source_chunks, chunks, texts, question, budget)
+            spans = choose(self._source_assembler(), source_chunks, chunks, texts, question, budget,
+                           heads=selection.retrieval_heads(manifest.source_fingerprint.id))
         return selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
 
     def document_hits(self, doc_ids: list[str]) -> list[Any]:

@@ -19,6 +19,13 @@ target tokens is spent. Spans are character ranges of each chunk's text, so
 they carry over to any tokenizer: `spans_to_positions` finds the target tokens
 that overlap them.
 
+Not every head of the source model looks things up: most attend by position or to
+the sink. `eval/calibrate_source_heads.py` finds, on calibration lookups, the heads
+whose contrastive attention lands on the sentence that holds the answer, and writes
+them to ``cag/source_heads.json`` keyed by the source model's weight fingerprint;
+the source score then averages those heads only (all heads for a model never
+calibrated).
+
 The ``*_chunk`` variants choose whole **chunks** instead ("prefill the crux"): the
 best chunks by the same score (a chunk's best sentence for the source model, the
 index's own score for the retriever), whole, while they fit in the budget, and
@@ -30,14 +37,34 @@ with all four chunks native).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 
 from cag.kv import KVChunk
 
 NEUTRAL_QUESTION = "What is this text about?"
+HEADS_FILE = Path(__file__).with_name("source_heads.json")
+
+
+@lru_cache(maxsize=None)
+def _heads_file(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def retrieval_heads(fingerprint_id: str, path: Path | None = None) -> list[tuple[int, int]] | None:
+    """The (layer, head) pairs calibrated to look up facts for this source model, or None (all heads)."""
+    entry = _heads_file(path or HEADS_FILE).get(fingerprint_id)
+    if not entry or not entry.get("heads"):
+        return None
+    return [(int(layer), int(head)) for layer, head in entry["heads"]]
 _SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+[\"')\]]*|\n|$)")
 
 
@@ -111,16 +138,38 @@ def _choose(target_chunks, texts, sentence_scores, budget_tokens) -> list[list[t
     return out
 
 
-def _source_sentence_scores(source_assembler, source_chunks: Sequence[KVChunk], texts: Sequence[str],
-                            question: str) -> list[list[float]]:
-    """Per chunk, per sentence: the contrastive source attention of its strongest tokens."""
+def contrastive_attention(source_assembler, source_chunks: Sequence[KVChunk], question: str,
+                          heads: Sequence[tuple[int, int]] | None = None, per_head: bool = False) -> torch.Tensor:
+    """The question's attention on each placed position minus a neutral question's.
+
+    ``[positions]``, averaged over `heads` (every head when None), or ``[layers, heads,
+    positions]`` with `per_head` (for calibrating which heads to keep)."""
     q_ids = source_assembler.question_ids(question)
     n_ids = source_assembler.question_ids(NEUTRAL_QUESTION)
-    contrast = (source_assembler.context_attention(source_chunks, q_ids)
-                - source_assembler.context_attention(source_chunks, n_ids))
-    scores, start = [], source_assembler.prefix_ids.numel()
-    for chunk, text in zip(source_chunks, texts):
-        token_score = contrast[start:start + chunk.num_tokens]
+    contrast = (source_assembler.context_attention(source_chunks, q_ids, per_head=True)
+                - source_assembler.context_attention(source_chunks, n_ids, per_head=True))
+    if per_head:
+        return contrast
+    if heads is None:
+        return contrast.mean(dim=(0, 1))
+    layers, hs = zip(*heads)
+    return contrast[list(layers), list(hs)].mean(dim=0)
+
+
+def _source_sentence_scores(source_assembler, source_chunks: Sequence[KVChunk], texts: Sequence[str],
+                            question: str, heads: Sequence[tuple[int, int]] | None = None) -> list[list[float]]:
+    """Per chunk, per sentence: the contrastive source attention of its strongest tokens."""
+    contrast = contrastive_attention(source_assembler, source_chunks, question, heads)
+    return sentence_scores(contrast, source_chunks, texts, source_assembler.prefix_ids.numel())
+
+
+def sentence_scores(token_scores: torch.Tensor, chunks: Sequence[KVChunk], texts: Sequence[str],
+                    start: int) -> list[list[float]]:
+    """Per chunk, per sentence: the mean of its 3 best token scores (`token_scores` over placed positions,
+    the chunks starting at `start`)."""
+    scores = []
+    for chunk, text in zip(chunks, texts):
+        token_score = token_scores[start:start + chunk.num_tokens]
         start += chunk.num_tokens
         per_sentence = []
         for idx in _token_sentences(chunk, sentence_spans(text)):
@@ -133,14 +182,15 @@ def _source_sentence_scores(source_assembler, source_chunks: Sequence[KVChunk], 
 
 @torch.inference_mode()
 def source_guided_spans(source_assembler, source_chunks: Sequence[KVChunk], target_chunks: Sequence[KVChunk],
-                        texts: Sequence[str], question: str, budget_tokens: int) -> list[list[tuple[int, int]]]:
+                        texts: Sequence[str], question: str, budget_tokens: int,
+                        heads: Sequence[tuple[int, int]] | None = None) -> list[list[tuple[int, int]]]:
     """Sentences the source model's contrastive question attention points at (see module doc).
 
     `source_assembler` is an `Assembler` of the source model (its own layout and head);
     `source_chunks` are the store's chunks as stored, `target_chunks` their translations
-    (for the budget, counted in target tokens).
+    (for the budget, counted in target tokens); `heads` the source's retrieval heads (None: all).
     """
-    scores = _source_sentence_scores(source_assembler, source_chunks, texts, question)
+    scores = _source_sentence_scores(source_assembler, source_chunks, texts, question, heads)
     return _choose(target_chunks, texts, scores, budget_tokens)
 
 
@@ -158,9 +208,10 @@ def _whole_chunks(target_chunks, texts, chunk_scores, budget_tokens) -> list[lis
 
 @torch.inference_mode()
 def source_guided_chunks(source_assembler, source_chunks: Sequence[KVChunk], target_chunks: Sequence[KVChunk],
-                         texts: Sequence[str], question: str, budget_tokens: int) -> list[list[tuple[int, int]]]:
+                         texts: Sequence[str], question: str, budget_tokens: int,
+                         heads: Sequence[tuple[int, int]] | None = None) -> list[list[tuple[int, int]]]:
     """Whole chunks ranked by their best sentence's contrastive source attention."""
-    scores = _source_sentence_scores(source_assembler, source_chunks, texts, question)
+    scores = _source_sentence_scores(source_assembler, source_chunks, texts, question, heads)
     return _whole_chunks(target_chunks, texts, [max(s, default=float("-inf")) for s in scores], budget_tokens)
 
 

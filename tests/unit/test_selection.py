@@ -30,23 +30,26 @@ def test_sentence_spans_cover_sentences():
 
 
 class FakeAssembler:
-    """An assembler whose question attention is constructed: the neutral question has a
-    positional bias toward the last tokens, the real question adds mass on the planted span."""
+    """An assembler whose question attention is constructed, in one layer of two heads: the
+    neutral question has a positional bias toward the last tokens in both, the real question
+    adds mass on the planted span in head 0 and, given a `distractor`, more on it in head 1."""
 
-    def __init__(self, chunk, planted):
-        self.chunk, self.planted = chunk, planted
+    def __init__(self, chunk, planted, distractor=None):
+        self.chunk, self.planted, self.distractor = chunk, planted, distractor
         self.prefix_ids = torch.tensor([1, 2])
 
     def question_ids(self, q):
         return torch.tensor([0 if q == selection.NEUTRAL_QUESTION else 1])
 
-    def context_attention(self, chunks, q_ids):
+    def context_attention(self, chunks, q_ids, per_head=False):
         n = sum(c.num_tokens for c in chunks)
-        mass = torch.zeros(2 + n)
-        mass[2:] = torch.linspace(0.0, 1.0, n)  # recency bias, shared by every question
+        mass = torch.zeros(1, 2, 2 + n)
+        mass[..., 2:] = torch.linspace(0.0, 1.0, n)  # recency bias, shared by every question
         if q_ids.item() == 1:
-            mass[2 + self.planted] += 0.3
-        return mass
+            mass[0, 0, 2 + self.planted] += 0.3
+            if self.distractor is not None:
+                mass[0, 1, 2 + self.distractor] += 0.8
+        return mass if per_head else mass.mean(dim=(0, 1))
 
 
 def fake_chunk(text):
@@ -67,6 +70,32 @@ def test_source_selector_picks_the_planted_span_not_the_nearest():
     raw = fake.context_attention([chunk], torch.tensor([1]))[2:]
     last = selection.sentence_spans(DOC)[-1]
     assert raw[-1] > raw[planted].max() and spans[0][0] != last
+
+
+def test_retrieval_heads_pick_the_planted_span_the_average_of_all_heads_misses(tmp_path):
+    chunk = fake_chunk(DOC)
+    spans = selection.sentence_spans(DOC)
+    inside = lambda span: torch.tensor([j for j, (s, e) in enumerate(chunk.offsets.tolist())  # noqa: E731
+                                        if s >= span[0] and e <= span[1]])
+    fake = FakeAssembler(chunk, inside(spans[1]), distractor=inside(spans[0]))
+    every = selection.source_guided_spans(fake, [chunk], [chunk], [DOC], "How many maps?", budget_tokens=5)
+    assert every == [[spans[0]]]  # head 1's distractor dominates the average
+    table = tmp_path / "heads.json"
+    table.write_text('{"fp-1": {"heads": [[0, 0]]}}')
+    heads = selection.retrieval_heads("fp-1", table)
+    assert heads == [(0, 0)] and selection.retrieval_heads("other", table) is None
+    chosen = selection.source_guided_spans(fake, [chunk], [chunk], [DOC], "How many maps?", budget_tokens=7,
+                                           heads=heads)
+    assert chosen == [[spans[1]]]
+
+
+def test_per_head_question_mass_averages_to_the_plain_one(tiny):
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    chunks = [tiny.prefill(DOC), tiny.prefill(OTHER)]
+    q = asm.question_ids("How many maps?")
+    per_head = asm.context_attention(chunks, q, per_head=True)
+    assert per_head.shape[:2] == (tiny.model.config.num_hidden_layers, tiny.model.config.num_attention_heads)
+    torch.testing.assert_close(per_head.mean(dim=(0, 1)), asm.context_attention(chunks, q))
 
 
 def test_budget_is_respected_and_positions_are_placed():
