@@ -698,6 +698,10 @@ def bench_cmd(
     crux: Annotated[float | None, typer.Option(help="Also time the crux path: each translated path with its best "
                                                "chunk recomputed and the others' keys scaled by this.",
                                                min=0.0, max=1.0, show_default=False)] = None,
+    crux_select: Annotated[str, typer.Option(help="How the crux is chosen: retriever_chunk, source_chunk, "
+                                             "source or retriever (sentences).")] = "retriever_chunk",
+    crux_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="The crux's share of the context "
+                                              "(default: one whole chunk).")] = 1e-3,
     stored: Annotated[bool, typer.Option("--stored", help="Also time each translated path reading translations "
                                          "stored before the clock (`cag store translate`).")] = False,
     as_json: JsonFlag = False,
@@ -709,7 +713,7 @@ def bench_cmd(
     argv += ["--targets", *(targets or ["qwen2.5-0.5b", "gemma3-270m"])]
     argv += ["--lengths", *map(str, lengths or [1024, 2048, 4096, 8192])]
     argv += ["--methods", *(methods or ["auto"])]
-    argv += ["--crux", str(crux)] if crux is not None else []
+    argv += ["--crux", str(crux), "--crux-select", crux_select, "--crux-ratio", str(crux_ratio)] if crux is not None else []
     argv += ["--stored"] if stored else []
     raise typer.Exit(bench_main(argv + (["--json"] if as_json else [])))
 

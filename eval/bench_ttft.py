@@ -11,6 +11,9 @@ For each target and context length (1K, 2K, 4K, 8K target tokens of essay text):
   crux": `recompute_select="retriever_chunk"`, one chunk, `translated_key_scale`). The
   bench's context is one document, so every chunk scores the same and the first is the
   crux; its cost is one chunk's prefill against what precedes it, whichever chunk it is;
+  ``--crux-select``/``--crux-ratio`` time another choice of the crux instead: ``source`` at 0.1
+  recomputes the tenth of the context's tokens whose sentences the source model's contrastive
+  question attention picks (its question pass over its own chunks is on the clock too);
 - ``cache:<method>+stored`` (``--stored``): the same translations, made once before the clock
   starts (`cag store translate`, stored in the store's own format) and loaded at query time
   (`CachedContext.stored_translations`); the report records what translating the store cost.
@@ -107,12 +110,14 @@ def floor_once(lm, placed: DynamicCache, question_ids: torch.Tensor) -> float:
 def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: list[str], repeats: int,
               work_dir: Path, chunk_tokens: int = 256, log=print, progress: Progress | None = None,
               prefill_rate_tokens: int = 1024, crux_key_scale: float | None = None,
-              stored: bool = False) -> dict:
+              crux_select: str = "retriever_chunk", crux_ratio: float = 1e-3, stored: bool = False) -> dict:
     """Rows per (target, length, condition), the cached paths' breakdowns, the host and prefill rates.
 
     `progress` advances once per round (one repeat of every condition at one length).
-    `crux_key_scale`: also time each translated path with its crux recomputed (``+crux``).
-    `stored`: also time each translated path reading translations stored before the clock (``+stored``).
+    `crux_key_scale`: also time each translated path with its crux recomputed (``+crux``), chosen by
+    `crux_select` at `crux_ratio` (default: one whole chunk, the retriever's best).
+    `stored`: also time each translated path reading translations stored before the clock (``+stored``;
+    with a crux, ``+crux+stored`` too).
     """
     from cag.store_translation import translate_store
     from stores.build import build_store
@@ -150,11 +155,12 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                 except (MapperNotFoundError, ValueError) as exc:
                     log(f"{target}: no {method} mapper from {source}: {exc}".splitlines()[0][:160])
                     continue
-                if crux_key_scale is not None:  # a ratio below one chunk's share: exactly one chunk, whole
+                crux = dict(store=source_store, target=target, mapper=method, translation_cache_mb=0,
+                            max_new_tokens=1, min_retention=0.0, recompute_select=crux_select,
+                            recompute_ratio=crux_ratio, translated_key_scale=crux_key_scale or 1.0)
+                if crux_key_scale is not None:  # *_chunk below one chunk's share: exactly one chunk, whole
                     contexts[f"cache:{ctx.active_mapper.method}+crux"] = CachedContext(
-                        store=source_store, target=target, mapper=method, translation_cache_mb=0, max_new_tokens=1,
-                        min_retention=0.0, recompute_select="retriever_chunk", recompute_ratio=1e-3,
-                        translated_key_scale=crux_key_scale, stored_translations=False)
+                        **crux, stored_translations=False)
                 if stored:  # translated once, off the clock, as a nightly build with --translate-for does
                     note(f"{target}: translating the store with {method}")
                     made = translate_store(source_store, ctx.target_model, mapper=method)
@@ -164,6 +170,9 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                     contexts[f"cache:{ctx.active_mapper.method}+stored"] = CachedContext(
                         store=source_store, target=target, mapper=method, translation_cache_mb=0, max_new_tokens=1,
                         min_retention=0.0, stored_translations=True)
+                    if crux_key_scale is not None:
+                        contexts[f"cache:{ctx.active_mapper.method}+crux+stored"] = CachedContext(
+                            **crux, stored_translations=True)
         reference = contexts["native_cache"]
         lm, asm = reference.target_model, reference.assembler  # the model every path answers with
         note(f"{target}: measuring its prefill rate")
@@ -301,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crux", type=float, default=None, metavar="KEY_SCALE",
                         help="also time each translated path with its best chunk recomputed and the other chunks' "
                              "keys scaled by KEY_SCALE (the crux path; README, 'Chunk repair')")
+    parser.add_argument("--crux-select", default="retriever_chunk",
+                        choices=["retriever_chunk", "source_chunk", "source", "retriever"],
+                        help="how the crux is chosen (CachedContext.recompute_select)")
+    parser.add_argument("--crux-ratio", type=float, default=1e-3,
+                        help="the crux's share of the context (default: one whole chunk, the least *_chunk takes)")
     parser.add_argument("--stored", action="store_true",
                         help="also time each translated path reading translations stored before the clock "
                              "(`cag store translate`; README, 'Stored translations')")
@@ -314,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             Progress("cag bench", rounds, unit="rounds") as bar:
         report = run_bench(source=args.source, targets=args.targets, lengths=args.lengths, methods=args.methods,
                            repeats=args.repeats, work_dir=Path(tmp), progress=bar, crux_key_scale=args.crux,
-                           stored=args.stored)
+                           crux_select=args.crux_select, crux_ratio=args.crux_ratio, stored=args.stored)
     report["run"] = {"command": "cag bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.platform()}, "
                      f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": torch.get_num_threads(),
