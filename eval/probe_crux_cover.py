@@ -52,6 +52,14 @@ def answer_spans(texts: list[str], answers) -> list[list[tuple[int, int]]]:
     return out
 
 
+def calib_lookup_store(source: str, limit: int, store_root: Path):
+    """The α calibration's items (calib-lookup seed 2) and their store built by `source` (built once)."""
+    items = load_items("calib-lookup", limit)
+    store = store_root / f"calib-lookup-{source}"
+    build_eval_store(items, store, source, chunk_tokens=256)
+    return items, store
+
+
 def covers(texts: list[str], spans, answers) -> bool:
     chosen = " ".join(ds.normalize_ws(t[s:e]).lower() for t, sp in zip(texts, spans) for s, e in sp)
     return any(ds.normalize_ws(a).lower() in chosen for a in answers)
@@ -73,9 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--store-root", type=Path, default=Path.home() / ".cache" / "cag" / "repair_ablation")
     args = ap.parse_args(argv)
 
-    items = load_items("calib-lookup", args.limit)
-    store = args.store_root / f"calib-lookup-{args.source}"
-    build_eval_store(items, store, args.source, chunk_tokens=256)
+    items, store = calib_lookup_store(args.source, args.limit, args.store_root)
     ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, min_retention=0.0,
                         translation_cache_mb=0, max_new_tokens=16, recompute_ratio=args.ratio)
     real_positions = ctx._guided_positions

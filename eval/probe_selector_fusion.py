@@ -27,9 +27,7 @@ from cag import selection  # noqa: E402
 from cag.context import CachedContext  # noqa: E402
 from cag.kv import KVChunk  # noqa: E402
 from eval.harness import host_info, host_line  # noqa: E402
-from eval.probe_crux_cover import covers  # noqa: E402
-from eval.repair_ablation import load_items  # noqa: E402
-from eval.run import build_eval_store  # noqa: E402
+from eval.probe_crux_cover import calib_lookup_store, covers  # noqa: E402
 
 
 def _ranks(t: torch.Tensor) -> torch.Tensor:
@@ -49,9 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--store-root", type=Path, default=Path.home() / ".cache" / "cag" / "repair_ablation")
     args = ap.parse_args(argv)
 
-    items = load_items("calib-lookup", args.limit)
-    store = args.store_root / f"calib-lookup-{args.source}"
-    build_eval_store(items, store, args.source, chunk_tokens=256)
+    items, store = calib_lookup_store(args.source, args.limit, args.store_root)
     ctx = CachedContext(store=store, target=args.source, mapper="identity", top_k=4, min_retention=0.0,
                         translation_cache_mb=0)
     asm = ctx.assembler  # loads the model and opens the chunk store
