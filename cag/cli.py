@@ -713,7 +713,8 @@ def bench_cmd(
     argv += ["--targets", *(targets or ["qwen2.5-0.5b", "gemma3-270m"])]
     argv += ["--lengths", *map(str, lengths or [1024, 2048, 4096, 8192])]
     argv += ["--methods", *(methods or ["auto"])]
-    argv += ["--crux", str(crux), "--crux-select", crux_select, "--crux-ratio", str(crux_ratio)] if crux is not None else []
+    if crux is not None:
+        argv += ["--crux", str(crux), "--crux-select", crux_select, "--crux-ratio", str(crux_ratio)]
     argv += ["--stored"] if stored else []
     raise typer.Exit(bench_main(argv + (["--json"] if as_json else [])))
 

@@ -556,6 +556,14 @@ class CachedContext(BaseModel):
         """Context positions to recompute, chosen by the source model or the retriever (cag.selection)."""
         from cag import selection
 
+        spans = self._guided_spans(question, chunks, used, ratio=ratio, select=select)
+        return selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
+
+    def _guided_spans(self, question: str, chunks: list[KVChunk], used: list[Any], *,
+                      ratio: float | None = None, select: str | None = None) -> list[list[tuple[int, int]]]:
+        """The character spans of each used chunk's text that `_guided_positions` recomputes."""
+        from cag import selection
+
         ratio = self.recompute_ratio if ratio is None else ratio
         select = self.recompute_select if select is None else select
         budget = round(ratio * sum(c.num_tokens for c in chunks))
@@ -572,7 +580,7 @@ class CachedContext(BaseModel):
             choose = selection.source_guided_chunks if select == "source_chunk" else selection.source_guided_spans
             spans = choose(self._source_assembler(), source_chunks, chunks, texts, question, budget,
                            heads=selection.retrieval_heads(manifest.source_fingerprint.id))
-        return selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
+        return spans
 
     def document_hits(self, doc_ids: list[str]) -> list[Any]:
         """Every chunk of the given documents, in document order (whole-document context)."""

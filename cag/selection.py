@@ -65,6 +65,8 @@ def retrieval_heads(fingerprint_id: str, path: Path | None = None) -> list[tuple
     if not entry or not entry.get("heads"):
         return None
     return [(int(layer), int(head)) for layer, head in entry["heads"]]
+
+
 _SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+[\"')\]]*|\n|$)")
 
 

@@ -48,11 +48,6 @@ from eval.run import build_eval_store  # noqa: E402
 SEED = 3
 
 
-def holds(sentence: str, answers) -> bool:
-    text = ds.normalize_ws(sentence).lower()
-    return any(ds.normalize_ws(a).lower() in text for a in answers)
-
-
 def item_data(ctx: CachedContext, item) -> tuple[torch.Tensor, list[KVChunk], list[str], int]:
     """The per-head contrast ``[layers, heads, positions]`` over the item's top chunks, as the selector sees them."""
     asm = ctx.assembler  # loads the model and opens the chunk store
@@ -72,7 +67,7 @@ def cover(scores: torch.Tensor, chunks, texts, start: int, answers, ratio: float
     per_sentence = selection.sentence_scores(scores, chunks, texts, start)
     budget = round(ratio * sum(c.num_tokens for c in chunks))
     spans = selection._choose(chunks, texts, per_sentence, budget)
-    return any(holds(t[s:e], answers) for t, sp in zip(texts, spans) for s, e in sp)
+    return any(ds.text_holds_answer(t[s:e], answers) for t, sp in zip(texts, spans) for s, e in sp)
 
 
 def main(argv=None) -> int:
@@ -102,7 +97,7 @@ def main(argv=None) -> int:
     mrr = torch.zeros(n_layers, n_heads)
     usable = 0
     for item, contrast, chunks, texts, start in data:
-        gold = torch.tensor([holds(s, item.answers) for s in flat_sentences(texts)])
+        gold = torch.tensor([ds.text_holds_answer(s, item.answers) for s in flat_sentences(texts)])
         if not gold.any():
             continue  # retrieval missed the answer: no head can find it
         usable += 1

@@ -608,6 +608,16 @@ def normalize_ws(text: str) -> str:
     return " ".join(text.split())
 
 
+def text_holds_answer(text: str, answers) -> bool:
+    """Whether context `text` holds an answer string verbatim, up to whitespace and case.
+
+    Not `metrics.contains_answer`: that one strips punctuation and needs word boundaries,
+    made for short generated answers; chunk text holds essay answers verbatim only up to
+    whitespace (hard wraps, non-breaking spaces) and case."""
+    text = normalize_ws(text).lower()
+    return any(normalize_ws(a).lower() in text for a in answers)
+
+
 def essay_qa(*, seed: int = 0, pool: str = "used", path: str | os.PathLike | None = None) -> list[QAItem]:
     """The hand-written essay questions with their essays filled in.
 

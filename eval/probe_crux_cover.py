@@ -45,8 +45,7 @@ def answer_spans(texts: list[str], answers) -> list[list[tuple[int, int]]]:
     for text in texts:
         mine = []
         for start, end in selection.sentence_spans(text):
-            sentence = ds.normalize_ws(text[start:end]).lower()
-            if any(ds.normalize_ws(a).lower() in sentence for a in answers):
+            if ds.text_holds_answer(text[start:end], answers):
                 mine.append((start, end))
         out.append(mine)
     return out
@@ -61,8 +60,8 @@ def calib_lookup_store(source: str, limit: int, store_root: Path):
 
 
 def covers(texts: list[str], spans, answers) -> bool:
-    chosen = " ".join(ds.normalize_ws(t[s:e]).lower() for t, sp in zip(texts, spans) for s, e in sp)
-    return any(ds.normalize_ws(a).lower() in chosen for a in answers)
+    """Whether the chosen spans (per chunk, of `texts`) hold an answer string."""
+    return ds.text_holds_answer(" ".join(t[s:e] for t, sp in zip(texts, spans) for s, e in sp), answers)
 
 
 def main(argv=None) -> int:
@@ -84,7 +83,7 @@ def main(argv=None) -> int:
     items, store = calib_lookup_store(args.source, args.limit, args.store_root)
     ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, min_retention=0.0,
                         translation_cache_mb=0, max_new_tokens=16, recompute_ratio=args.ratio)
-    real_positions = ctx._guided_positions
+    real_spans = ctx._guided_spans
     conditions = [(s, a) for s in args.selects
                   for a in (args.alphas if s == "oracle" or args.all_alphas else [1.0])]
     rows = {f"{s} α={a:g}": {"select": s, "alpha": a, "cover": [], "found": [], "f1": [], "share": []}
@@ -99,20 +98,19 @@ def main(argv=None) -> int:
                 ctx.translated_key_scale = alpha
                 chosen: dict = {}
 
-                def positions(question, chunks, used, asm, *, ratio=None, select=None, _s=select):
-                    if _s == "oracle":
-                        spans = answer_spans([h.text for h in used], item.answers)
-                    else:  # the served choice, captured to check its cover
-                        spans = _served_spans(ctx, question, chunks, used, ratio, _s)
+                def spans_for(question, chunks, used, *, ratio=None, select=None, _s=select):
+                    # the label's choice for the oracle, else the served one, kept to check its cover
+                    spans = (answer_spans([h.text for h in used], item.answers) if _s == "oracle"
+                             else real_spans(question, chunks, used, ratio=ratio, select=select))
                     chosen["spans"] = spans
-                    return selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
+                    return spans
 
-                ctx._guided_positions = positions
+                ctx._guided_spans = spans_for
                 ctx.recompute_select = "retriever" if select == "oracle" else select
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     ans = ctx.answer(item.question, hits)
-                ctx._guided_positions = real_positions
+                ctx._guided_spans = real_spans
                 row["cover"].append(covers(texts, chosen.get("spans", [[] for _ in texts]), item.answers))
                 row["found"].append(metrics.contains_answer(ans.text, item.answers))
                 row["f1"].append(metrics.token_f1(ans.text, item.answers))
@@ -145,21 +143,6 @@ def main(argv=None) -> int:
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
-
-
-def _served_spans(ctx: CachedContext, question, chunks, used, ratio, select):
-    """The spans `CachedContext._guided_positions` would choose (the same calls, kept as spans)."""
-    from cag.kv import KVChunk
-
-    budget = round(ratio * sum(c.num_tokens for c in chunks))
-    texts = [h.text for h in used]
-    manifest, index = ctx._current_view()
-    if select == "retriever":
-        return selection.retriever_spans(index.embed, chunks, texts, question, budget)
-    source_chunks = [KVChunk.from_bytes(ctx._chunks.get(h.key), expect_model=manifest.source_fingerprint)
-                     for h in used]
-    return selection.source_guided_spans(ctx._source_assembler(), source_chunks, chunks, texts, question, budget,
-                                         heads=selection.retrieval_heads(manifest.source_fingerprint.id))
 
 
 if __name__ == "__main__":

@@ -104,11 +104,9 @@ def _done(path: Path) -> set[tuple[str, str]]:
 
 
 def _holds(hits, answers) -> bool:
-    # Not metrics.contains_answer: that one strips punctuation and needs word boundaries, made for
-    # short generated answers; chunk text holds essay answers verbatim only up to whitespace (hard
-    # wraps, non-breaking spaces) and case, and misses 5 of the 25 top chunks that hold an essay-qa answer.
-    text = ds.normalize_ws(" ".join(h.text for h in hits)).lower()
-    return any(ds.normalize_ws(a).lower() in text for a in answers)
+    # ds.text_holds_answer, not metrics.contains_answer, which misses 5 of the 25 top chunks that
+    # hold an essay-qa answer.
+    return ds.text_holds_answer(" ".join(h.text for h in hits), answers)
 
 
 def run(args) -> Path:
