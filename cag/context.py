@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from cag.gate import DEFAULT_MIN_RETENTION, GateDecision
+from cag.gate import DEFAULT_MIN_RETENTION, GateDecision, served_repair
 from cag.kv import ChunkError, KVChunk
 from cag.models import registry
 
@@ -484,8 +484,7 @@ class CachedContext(BaseModel):
         lm, _, asm = self._ready()
         max_new = max_new_tokens or self.max_new_tokens
         with asm.model_lock:
-            prepared = self.prepare(question, hits, max_new_tokens=max_new,
-                                    repair=decision.fidelity.repair if decision.path.endswith("+repair") else None)
+            prepared = self.prepare(question, hits, max_new_tokens=max_new, repair=served_repair(decision))
             answer, t0 = prepared.answer, prepared.started
             self._gate_answer(answer, decision, lm)
             self._last_answer = answer
@@ -499,6 +498,7 @@ class CachedContext(BaseModel):
         return answer  # the generator's value: this stream's own Answer, whatever other threads did
 
     def _gate_answer(self, answer: Answer, decision: GateDecision, lm) -> None:
+        """Label a prepared answer with the gate's path (prepare it with `served_repair(decision)`)."""
         answer.path, answer.gate = decision.path, decision.to_dict()
         notes = self._store_notes(lm)
         if self.min_retention <= 0.0 and decision.path != "direct":

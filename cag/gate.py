@@ -161,6 +161,13 @@ def choose_path(candidates: list[PathFidelity], min_retention: float, fallback: 
     return GateDecision("direct", PathFidelity("direct"), why, tuple(rejected))
 
 
+def served_repair(decision: GateDecision) -> dict | None:
+    """The recompute settings a ``+repair`` path was measured with (pass to `CachedContext.prepare`),
+    or None: whoever serves the gate's choice must serve it as it was measured."""
+    repair = decision.fidelity.repair if decision.path.endswith("+repair") else None
+    return dict(repair) if repair else None
+
+
 # ------------------------------------------------------------------- records
 
 

@@ -63,7 +63,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from cag.context import Answer, CachedContext, Timings
-from cag.gate import DEFAULT_MIN_RETENTION
+from cag.gate import DEFAULT_MIN_RETENTION, served_repair
 
 # neg_entropy reads the first this many next-token distributions of the small answer.
 FIRST_TOKENS = 4
@@ -224,7 +224,7 @@ class RoutedAnswer:
     small_ttft_s: float  # the small model's time to first token, from the start of the query
     small_total_s: float  # the small model's whole answer: the routing decision waits for it
     large_ttft_s: float | None  # the large model's time to first token from the start of its turn
-    large_path: str | None  # the large model's gated path: "translated" | "direct" (None: not escalated)
+    large_path: str | None  # the large model's gated path: "translated[+repair]" | "direct" (None: not escalated)
     ttft_s: float  # start of the query → first token of the served answer
     total_s: float  # start of the query → the served answer complete
     context_prefill_tokens: int  # context tokens any model ran a forward over for this answer
@@ -573,7 +573,7 @@ class Router(BaseModel):
         decision = ctx.decision  # GateError here with fallback="raise" and nothing passing
         lm, asm = ctx.target_model, ctx.assembler
         if decision.path != "direct":
-            prepared = ctx.prepare(question, hits, max_new_tokens=max_new)
+            prepared = ctx.prepare(question, hits, max_new_tokens=max_new, repair=served_repair(decision))
             # the same path, gate record and warnings CachedContext.stream gives its answers
             ctx._gate_answer(prepared.answer, decision, lm)
             template = prepared.answer

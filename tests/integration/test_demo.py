@@ -29,7 +29,7 @@ def test_cag_demo_json(tmp_path):
     questions = load_questions(DEFAULT_QUESTIONS)
     assert len(report["questions"]) == len(questions)
     gate = report["gate"]
-    assert gate["path"] in ("native", "translated", "direct") and gate["reason"]
+    assert gate["path"] in ("native", "native+repair", "translated", "translated+repair", "direct") and gate["reason"]
     for row, (question, answers) in zip(report["questions"], questions):
         assert FIELDS <= set(row)
         assert row["question"] == question and row["expected"] == answers[0]

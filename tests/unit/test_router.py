@@ -169,6 +169,32 @@ def test_gate_sends_the_large_model_to_direct_context_and_follow_up_skips_its_pr
         make(kb, threshold=math.inf, min_retention=0.6, fallback="raise").answer("archivist keeps maps")
 
 
+def test_a_gated_repair_path_is_served_as_it_was_measured(kb, tmp_path):
+    """When the gate picks translated+repair, the large model recomputes the crux with the record's
+    settings (not the plain translated path under the +repair label)."""
+    import shutil
+
+    from mappers.base import Mapper, write_card
+
+    root, small, large = kb
+    mapper = tmp_path / "mapper"
+    shutil.copytree(root / "mapper", mapper)
+    card = Mapper.read_card(mapper)
+    passing = {"found_retention": 0.9, "found_rate": 0.45, "direct_found_rate": 0.5, "no_context_found_rate": 0.1,
+               "n": 30, "items": "unit", "repair": {"ratio": 0.25, "select": "first_k"}}
+    card.setdefault("fidelity", {})["lookup_repair"] = passing  # no plain "lookup" record: that path fails
+    write_card(mapper, card)
+    router = Router(store=root / "store", small=str(small), large=str(large), mapper=str(mapper),
+                    embedder=HashEmbedder(), dtype="float32", max_new_tokens=6, top_k=3, min_retention=0.6,
+                    policy=RouterPolicy(threshold=math.inf))
+    first = router.answer("archivist keeps maps")
+    assert first.large_path == "translated+repair" and first.path == "translated+repair"
+    assert first.answer.recomputed_tokens > 0  # first_k: the first 16 tokens of every chunk
+    assert first.context_prefill_tokens == first.answer.recomputed_tokens
+    follow = router.follow_up("quick brown fox")  # the repaired cache is kept: nothing recomputed again
+    assert follow.context_prefill_tokens == 0 and follow.large_path == "translated+repair"
+
+
 def test_the_policy_file(kb, tmp_path, monkeypatch):
     root, small, large = kb
     missing = tmp_path / "router_policy.json"
