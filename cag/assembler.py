@@ -73,6 +73,9 @@ class Assembler:
         self._lock = threading.Lock()
         # Forwards on one model are serialised: the recompute installs a hook on it.
         self.model_lock = threading.RLock()
+        # Recomputed tokens attend in blocks of this many, each over the keys it can see
+        # (`cag.models.attention.blocked_recompute`); 128 made the 4K crux's attention 2× faster.
+        self.recompute_block = 128
 
     # ------------------------------------------------------------------ parts
 
@@ -216,24 +219,27 @@ class Assembler:
 
     @torch.inference_mode()
     def question_mass(self, keys: torch.Tensor, values: torch.Tensor, total: int,
-                      question_ids: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+                      question_ids: torch.Tensor, per_head: bool = False,
+                      num_layers: int | None = None) -> torch.Tensor:
         """Attention mass ``[total]`` the question puts on each placed position, averaged over
         layers, heads and question tokens (rotated `keys`/`values` of every position).
-        `per_head`: ``[layers, heads, total]`` instead, averaged over question tokens only."""
+        `per_head`: ``[layers, heads, total]`` instead, averaged over question tokens only.
+        `num_layers`: the first layers only (the forward stops after them)."""
         from cag.models.attention import attention_logits, capture_attention
 
+        num_layers = num_layers or self.target.adapter.num_layers
         cache = DynamicCache()  # keeps every token, whatever the layer kind
-        for i in range(self.target.adapter.num_layers):
+        for i in range(num_layers):
             cache.update(keys[i][None], values[i][None], i)
         captured: dict = {}
         q_len = question_ids.numel()
         with capture_attention(self.target.model, captured):
-            self.target.model.model(input_ids=question_ids[None].to(self.target.device),
-                                    past_key_values=cache, use_cache=True)
+            self.target.forward_first_layers(num_layers, input_ids=question_ids[None].to(self.target.device),
+                                             past_key_values=cache, use_cache=True)
         q_pos = torch.arange(total, total + q_len)
         k_pos = torch.arange(total + q_len)
         per_layer = []
-        for layer in range(self.target.adapter.num_layers):
+        for layer in range(num_layers):
             q, k, _, scaling, window = captured[layer]
             probs = torch.softmax(attention_logits(q, k, scaling, window, q_pos, k_pos), -1)
             per_layer.append(probs[:, :, :total].float().mean(dim=1).cpu())  # [heads, total]
@@ -242,8 +248,9 @@ class Assembler:
 
     @torch.inference_mode()
     def context_attention(self, chunks: Sequence[KVChunk], question_ids: torch.Tensor,
-                          per_head: bool = False) -> torch.Tensor:
-        """`question_mass` of `question_ids` over head + `chunks` placed as stored (no recompute)."""
+                          per_head: bool = False, num_layers: int | None = None) -> torch.Tensor:
+        """`question_mass` of `question_ids` over head + `chunks` placed as stored (no recompute);
+        `num_layers`: of the first layers only (cheaper: the rest are not run)."""
         parts = [self.prefix(), *chunks]
         for chunk in chunks:
             self.target.check_chunk(chunk)
@@ -253,7 +260,7 @@ class Assembler:
         total = keys.shape[2]
         self.target.adapter.rotate(keys, torch.arange(total), out=keys)
         with self.model_lock:
-            return self.question_mass(keys, values, total, question_ids, per_head=per_head)
+            return self.question_mass(keys, values, total, question_ids, per_head=per_head, num_layers=num_layers)
 
     @torch.inference_mode()
     def _recompute(self, keys: torch.Tensor, values: torch.Tensor, context_ids: torch.Tensor,
@@ -261,7 +268,10 @@ class Assembler:
         """Recompute the `chosen` context positions; returns full rotated K and V, position order.
 
         Called by `place` with the model lock held (the forward below shares the model)."""
+        from cag.models.attention import blocked_recompute
+
         total = context_ids.numel()
+        chosen = torch.sort(chosen).values
         keep = torch.ones(total, dtype=torch.bool)
         keep[chosen] = False
         kept = torch.nonzero(keep).squeeze(1)
@@ -269,12 +279,13 @@ class Assembler:
         cache = DynamicCache()  # keeps every token, whatever the layer kind
         for i in range(self.target.adapter.num_layers):
             cache.update(keys[i][:, kept][None], values[i][:, kept][None], i)
-        self.target.model.model(
-            input_ids=context_ids[chosen][None].to(self.target.device),
-            position_ids=chosen[None].to(self.target.device),
-            attention_mask=self._recompute_masks(kept, chosen),
-            past_key_values=cache, use_cache=True,
-        )
+        with blocked_recompute(self.target.model, kept, chosen, self.recompute_block):  # skips hidden scores
+            self.target.model.model(
+                input_ids=context_ids[chosen][None].to(self.target.device),
+                position_ids=chosen[None].to(self.target.device),
+                attention_mask=self._recompute_masks(kept, chosen),
+                past_key_values=cache, use_cache=True,
+            )
         order = torch.argsort(torch.cat([kept, chosen]))
         new_keys = torch.stack([layer.keys[0][:, order] for layer in cache.layers])
         new_values = torch.stack([layer.values[0][:, order] for layer in cache.layers])

@@ -148,8 +148,10 @@ def contrastive_attention(source_assembler, source_chunks: Sequence[KVChunk], qu
     positions]`` with `per_head` (for calibrating which heads to keep)."""
     q_ids = source_assembler.question_ids(question)
     n_ids = source_assembler.question_ids(NEUTRAL_QUESTION)
-    contrast = (source_assembler.context_attention(source_chunks, q_ids, per_head=True)
-                - source_assembler.context_attention(source_chunks, n_ids, per_head=True))
+    # Only the layers up to the deepest chosen head are run (retrieval heads sit mid-model).
+    upto = None if heads is None or per_head else max(layer for layer, _ in heads) + 1
+    contrast = (source_assembler.context_attention(source_chunks, q_ids, per_head=True, num_layers=upto)
+                - source_assembler.context_attention(source_chunks, n_ids, per_head=True, num_layers=upto))
     if per_head:
         return contrast
     if heads is None:

@@ -148,3 +148,41 @@ def context_temperature(model, start: int, end: int, temperature: float = 1.0, s
 
     with _wrapped_attention(model, wrap, "context temperature"):
         yield
+
+
+@contextmanager
+def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: int = 128):
+    """A selective recompute's forward, with each block of queries attending only to keys it can see.
+
+    The recompute forward runs the `chosen` context positions (sorted) over a cache laid out
+    ``[kept tokens | chosen tokens]`` (both sorted by position) with an additive mask that
+    hides every key placed after a query. Dense attention still computes those hidden
+    scores: on average half of them. Here the queries go in blocks of `block`, by position,
+    and each block attends over the kept keys before its last query and the chosen keys up
+    to it, a prefix of each part; every key left out was masked for the whole block, so the
+    result is the dense one (softmax gave those keys exactly 0) at about half the work.
+
+    Only a forward whose shapes are the recompute's is blocked; any other passes through.
+    """
+    n_kept, n_chosen = kept.numel(), chosen.numel()
+    # Per block of queries: how many kept keys precede its last query (the kept keys it may see).
+    bounds = [(r0, min(r0 + block, n_chosen)) for r0 in range(0, n_chosen, block)]
+    seen_kept = [int(torch.searchsorted(kept, chosen[r1 - 1])) for _, r1 in bounds]
+
+    def wrap(original):
+        def wrapper(module, query, key, value, attention_mask, **kwargs):
+            if (len(bounds) < 2 or query.shape[2] != n_chosen or key.shape[2] != n_kept + n_chosen
+                    or attention_mask is None or attention_mask.dim() != 4):
+                return original(module, query, key, value, attention_mask, **kwargs)
+            outputs, weights = [], None
+            for (r0, r1), nk in zip(bounds, seen_kept):
+                cols = torch.cat([torch.arange(nk), torch.arange(n_kept, n_kept + r1)]).to(key.device)
+                out, weights = original(module, query[:, :, r0:r1], key.index_select(2, cols),
+                                        value.index_select(2, cols),
+                                        attention_mask[:, :, r0:r1].index_select(3, cols), **kwargs)
+                outputs.append(out)
+            return torch.cat(outputs, dim=1), None  # attention outputs are [batch, queries, heads, dim]
+        return wrapper
+
+    with _wrapped_attention(model, wrap, "blocked recompute"):
+        yield

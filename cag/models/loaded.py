@@ -185,21 +185,30 @@ class LoadedModel:
         The forward is cut after layer ``num_layers - 1`` by a hook, so it costs
         about ``num_layers / L`` of a prefill. Every token is kept in every layer.
         """
+        cache = DynamicCache()
+        self.forward_first_layers(num_layers, input_ids=ids[None].to(self.device), past_key_values=cache,
+                                  use_cache=True)
+        return cache
+
+    def forward_first_layers(self, num_layers: int, **forward_kwargs) -> None:
+        """Run the decoder over ``forward_kwargs`` through layers ``0..num_layers-1`` only.
+
+        For callers that need what the first layers leave behind (their cache, their
+        captured attention), not an output: the forward is cut by a hook, so it costs
+        about ``num_layers / L`` of the full one."""
         if not 1 <= num_layers <= self.adapter.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.adapter.num_layers}], got {num_layers}")
-        cache = DynamicCache()
 
         def stop(module, args, output):
             raise _StopForward
 
         handle = self.model.model.layers[num_layers - 1].register_forward_hook(stop)
         try:
-            self.model.model(input_ids=ids[None].to(self.device), past_key_values=cache, use_cache=True)
+            self.model.model(**forward_kwargs)
         except _StopForward:
             pass
         finally:
             handle.remove()
-        return cache
 
     # ---------------------------------------------------------- chunk → cache
 

@@ -40,6 +40,25 @@ def test_full_recompute_equals_direct_context(tiny, parts):
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("select", ["deviation", "first_k"])
+def test_blocked_recompute_is_the_dense_one(tiny, parts, select):
+    """Queries in blocks, each over the keys it can see: the same cache as one dense masked forward."""
+    asm, chunks = parts
+    q = asm.question_ids(QUESTION)
+    placed = {}
+    for block in (3, 10**6):  # blocks of 3 queries; one block (the dense forward)
+        asm.recompute_block = block
+        placed[block] = asm.place(chunks, recompute_ratio=0.5, recompute_select=select, first_k=5)
+    assert placed[3].recomputed_tokens == placed[10**6].recomputed_tokens > 6
+    for blocked, dense in zip(placed[3].cache.layers, placed[10**6].cache.layers):
+        torch.testing.assert_close(blocked.keys, dense.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(blocked.values, dense.values, atol=1e-5, rtol=0)
+    asm.recompute_block = 3
+    full = asm.place(chunks, recompute_ratio=1.0)
+    torch.testing.assert_close(question_logits(tiny, full.cache, q), direct_logits(tiny, asm, chunks, q),
+                               atol=1e-4, rtol=0)
+
+
 def test_no_recompute_keeps_each_chunk_as_stored(tiny, parts):
     asm, chunks = parts
     placed = asm.place(chunks, recompute_ratio=0.0)

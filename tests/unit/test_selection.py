@@ -41,7 +41,7 @@ class FakeAssembler:
     def question_ids(self, q):
         return torch.tensor([0 if q == selection.NEUTRAL_QUESTION else 1])
 
-    def context_attention(self, chunks, q_ids, per_head=False):
+    def context_attention(self, chunks, q_ids, per_head=False, num_layers=None):
         n = sum(c.num_tokens for c in chunks)
         mass = torch.zeros(1, 2, 2 + n)
         mass[..., 2:] = torch.linspace(0.0, 1.0, n)  # recency bias, shared by every question
@@ -161,3 +161,19 @@ def test_source_chunk_end_to_end_on_a_tiny_model(tiny):
     assert pos.numel() in (chunks[0].num_tokens, chunks[1].num_tokens)  # exactly one whole chunk
     placed = asm.place(chunks, recompute_select="source_chunk", positions=pos)
     assert placed.recomputed_tokens == pos.numel()
+
+
+def test_retrieval_heads_run_only_the_layers_up_to_the_deepest(tiny):
+    """With heads given, the source forward stops after their deepest layer: the same scores, fewer layers."""
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    chunks = [tiny.prefill(DOC), tiny.prefill(OTHER)]
+    every = selection.contrastive_attention(asm, chunks, "How many maps?", per_head=True)
+    heads = [(0, 1), (0, 0)]
+    layers_run = []
+    hook = tiny.model.model.layers[1].register_forward_hook(lambda *a: layers_run.append(1))
+    try:
+        got = selection.contrastive_attention(asm, chunks, "How many maps?", heads=heads)
+    finally:
+        hook.remove()
+    assert layers_run == []  # layer 1 never ran: only layer 0 holds a chosen head
+    torch.testing.assert_close(got, every[[0, 0], [1, 0]].mean(dim=0))
