@@ -95,7 +95,10 @@ def _pick(scored: list[tuple[float, int, int]], sizes: dict[tuple[int, int], int
     """Best-scoring (chunk, sentence) pairs within `budget` target tokens → tokens taken of each.
 
     Whole sentences while they fit; the best sentence that does not fit any more is
-    taken in part (its first tokens) to fill the budget, then the choice stops.
+    taken in part (its first tokens) to fill the budget, then the choice stops. The
+    best sentence is always taken whole, even past a budget smaller than it: in a short
+    context 20% can be less than one sentence, and its first tokens alone cut the answer
+    off at its end (a name recomputed half, "Oskarine" without "Thrupp", came back garbled).
     """
     chosen, used = {}, 0
     for _, c, s in sorted(scored, key=lambda x: -x[0]):
@@ -103,7 +106,9 @@ def _pick(scored: list[tuple[float, int, int]], sizes: dict[tuple[int, int], int
         if size == 0:
             continue
         if used + size > budget:
-            if budget - used > 0:
+            if not chosen and budget > 0:  # the best sentence, whole
+                chosen[(c, s)] = size
+            elif budget - used > 0:
                 chosen[(c, s)] = budget - used
             break
         chosen[(c, s)] = size

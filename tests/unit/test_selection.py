@@ -115,6 +115,22 @@ def test_retriever_spans_pick_the_most_similar_sentence():
     assert spans[0] == [selection.sentence_spans(DOC)[1]]
 
 
+def test_the_best_sentence_is_taken_whole_when_the_budget_is_smaller():
+    """A budget below one sentence (20% of a short context) still recomputes the best sentence whole:
+    its first tokens alone would cut an answer at the sentence's end in half."""
+    def embed(texts):
+        return torch.stack([torch.bincount(torch.tensor([ord(c) % 64 for c in t.lower()]), minlength=64).float()
+                            for t in texts])
+    chunk = fake_chunk(DOC)
+    best = selection.sentence_spans(DOC)[1]  # "Zorblat keeps 417 maps in the tower." (7 words)
+    assert selection.retriever_spans(embed, [chunk], [DOC], "Zorblat keeps 417 maps in the tower?", 3) == [[best]]
+    # Past the best sentence the budget still binds: the next one is cut to what is left.
+    spans = selection.retriever_spans(embed, [chunk], [DOC], "Zorblat keeps 417 maps in the tower?", 9)
+    assert spans[0][-1] == best or spans[0][0] == best
+    taken = selection.spans_to_positions([chunk], spans, n_prefix=0)
+    assert taken.numel() == 9
+
+
 def test_source_guided_end_to_end_on_a_tiny_model(tiny):
     asm = Assembler(tiny, layout_for(tiny.tokenizer))
     chunks = [tiny.prefill(DOC), tiny.prefill("Another chunk of text here. It says little.")]
@@ -122,7 +138,9 @@ def test_source_guided_end_to_end_on_a_tiny_model(tiny):
     budget = 8
     spans = selection.source_guided_spans(asm, chunks, chunks, texts, "How many maps?", budget)
     pos = selection.spans_to_positions(chunks, spans, asm.prefix_ids.numel())
-    assert 0 < pos.numel() <= budget
+    longest = max(len(idx) for c, t in zip(chunks, texts)
+                  for idx in selection._token_sentences(c, selection.sentence_spans(t)))
+    assert 0 < pos.numel() <= max(budget, longest)  # the budget, or the best sentence whole
     placed = asm.place(chunks, recompute_select="source", positions=pos)
     assert placed.recomputed_tokens == pos.numel()
 
