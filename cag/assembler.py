@@ -75,7 +75,7 @@ class Assembler:
         self.model_lock = threading.RLock()
         # Recomputed tokens attend in blocks of this many, each over the keys it can see
         # (`cag.models.attention.blocked_recompute`). The 4K crux's forward (819 tokens into
-        # Qwen2.5, eval/bench_recompute_blocks.py): 6.24 s dense, 5.81 s in blocks of 128, 5.68 s of 256.
+        # Qwen2.5, eval/bench_recompute_blocks.py): 6.29 s dense, 5.97 s in blocks of 128, 5.81 s of 256.
         self.recompute_block = 256
 
     # ------------------------------------------------------------------ parts
