@@ -167,21 +167,24 @@ def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: in
     Only a forward whose shapes are the recompute's is blocked; any other passes through.
     """
     n_kept, n_chosen = kept.numel(), chosen.numel()
-    # Per block of queries: how many kept keys precede its last query (the kept keys it may see).
-    bounds = [(r0, min(r0 + block, n_chosen)) for r0 in range(0, n_chosen, block)]
-    seen_kept = [int(torch.searchsorted(kept, chosen[r1 - 1])) for _, r1 in bounds]
+    # Per block of queries (rows r0..r1 of the chosen): the cache columns it may see, once for
+    # every layer: the kept keys before its last query, then the chosen keys up to it.
+    blocks = []
+    for r0 in range(0, n_chosen, block):
+        r1 = min(r0 + block, n_chosen)
+        seen_kept = int(torch.searchsorted(kept, chosen[r1 - 1]))
+        blocks.append((r0, r1, torch.cat([torch.arange(seen_kept), torch.arange(n_kept, n_kept + r1)])))
 
     def wrap(original):
         def wrapper(module, query, key, value, attention_mask, **kwargs):
-            if (len(bounds) < 2 or query.shape[2] != n_chosen or key.shape[2] != n_kept + n_chosen
+            if (len(blocks) < 2 or query.shape[2] != n_chosen or key.shape[2] != n_kept + n_chosen
                     or attention_mask is None or attention_mask.dim() != 4):
                 return original(module, query, key, value, attention_mask, **kwargs)
-            outputs, weights = [], None
-            for (r0, r1), nk in zip(bounds, seen_kept):
-                cols = torch.cat([torch.arange(nk), torch.arange(n_kept, n_kept + r1)]).to(key.device)
-                out, weights = original(module, query[:, :, r0:r1], key.index_select(2, cols),
-                                        value.index_select(2, cols),
-                                        attention_mask[:, :, r0:r1].index_select(3, cols), **kwargs)
+            outputs = []
+            for r0, r1, cols in blocks:
+                cols = cols.to(key.device)
+                out, _ = original(module, query[:, :, r0:r1], key.index_select(2, cols), value.index_select(2, cols),
+                                  attention_mask[:, :, r0:r1].index_select(3, cols), **kwargs)
                 outputs.append(out)
             return torch.cat(outputs, dim=1), None  # attention outputs are [batch, queries, heads, dim]
         return wrapper
