@@ -700,8 +700,9 @@ def bench_cmd(
                                                min=0.0, max=1.0, show_default=False)] = None,
     crux_select: Annotated[str, typer.Option(help="How the crux is chosen: retriever_chunk, source_chunk, "
                                              "source or retriever (sentences).")] = "retriever_chunk",
-    crux_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="The crux's share of the context "
-                                              "(default: one whole chunk).")] = 1e-3,
+    crux_ratio: Annotated[list[float] | None, typer.Option(min=0.0, max=1.0, help="The crux's share of the "
+                                                           "context (default: one whole chunk); repeatable: "
+                                                           "each ratio timed side by side.")] = None,
     stored: Annotated[bool, typer.Option("--stored", help="Also time each translated path reading translations "
                                          "stored before the clock (`cag store translate`).")] = False,
     as_json: JsonFlag = False,
@@ -714,7 +715,7 @@ def bench_cmd(
     argv += ["--lengths", *map(str, lengths or [1024, 2048, 4096, 8192])]
     argv += ["--methods", *(methods or ["auto"])]
     if crux is not None:
-        argv += ["--crux", str(crux), "--crux-select", crux_select, "--crux-ratio", str(crux_ratio)]
+        argv += ["--crux", str(crux), "--crux-select", crux_select, "--crux-ratio", *map(str, crux_ratio or [1e-3])]
     argv += ["--stored"] if stored else []
     raise typer.Exit(bench_main(argv + (["--json"] if as_json else [])))
 

@@ -13,7 +13,8 @@ For each target and context length (1K, 2K, 4K, 8K target tokens of essay text):
   crux; its cost is one chunk's prefill against what precedes it, whichever chunk it is;
   ``--crux-select``/``--crux-ratio`` time another choice of the crux instead: ``source`` at 0.1
   recomputes the tenth of the context's tokens whose sentences the source model's contrastive
-  question attention picks (its question pass over its own chunks is on the clock too);
+  question attention picks (its question pass over its own chunks is on the clock too). Several
+  ``--crux-ratio`` values are timed side by side, each as its own condition (``+crux@15%``);
 - ``cache:<method>+stored`` (``--stored``): the same translations, made once before the clock
   starts (`cag store translate`, stored in the store's own format) and loaded at query time
   (`CachedContext.stored_translations`); the report records what translating the store cost.
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -110,12 +112,14 @@ def floor_once(lm, placed: DynamicCache, question_ids: torch.Tensor) -> float:
 def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: list[str], repeats: int,
               work_dir: Path, chunk_tokens: int = 256, log=print, progress: Progress | None = None,
               prefill_rate_tokens: int = 1024, crux_key_scale: float | None = None,
-              crux_select: str = "retriever_chunk", crux_ratio: float = 1e-3, stored: bool = False) -> dict:
+              crux_select: str = "retriever_chunk", crux_ratio: float | Sequence[float] = 1e-3,
+              stored: bool = False) -> dict:
     """Rows per (target, length, condition), the cached paths' breakdowns, the host and prefill rates.
 
     `progress` advances once per round (one repeat of every condition at one length).
     `crux_key_scale`: also time each translated path with its crux recomputed (``+crux``), chosen by
-    `crux_select` at `crux_ratio` (default: one whole chunk, the retriever's best).
+    `crux_select` at `crux_ratio` (default: one whole chunk, the retriever's best); several ratios: one
+    condition each, named ``+crux@<percent>``.
     `stored`: also time each translated path reading translations stored before the clock (``+stored``;
     with a crux, ``+crux+stored`` too).
     """
@@ -124,6 +128,7 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
 
     if progress is not None:
         log = progress.log
+    ratios = [crux_ratio] if isinstance(crux_ratio, (int, float)) else list(crux_ratio)
     host = host_info()  # before the bench loads the machine itself
     text = essay_text()
     results = []
@@ -155,12 +160,15 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                 except (MapperNotFoundError, ValueError) as exc:
                     log(f"{target}: no {method} mapper from {source}: {exc}".splitlines()[0][:160])
                     continue
-                crux = dict(store=source_store, target=target, mapper=method, translation_cache_mb=0,
-                            max_new_tokens=1, min_retention=0.0, recompute_select=crux_select,
-                            recompute_ratio=crux_ratio, translated_key_scale=crux_key_scale or 1.0)
-                if crux_key_scale is not None:  # *_chunk below one chunk's share: exactly one chunk, whole
-                    contexts[f"cache:{ctx.active_mapper.method}+crux"] = CachedContext(
-                        **crux, stored_translations=False)
+                name = ctx.active_mapper.method
+                cruxes = {}  # condition name -> the crux path's settings, one per ratio
+                for ratio in (ratios if crux_key_scale is not None else []):
+                    label = "+crux" if len(ratios) == 1 else f"+crux@{ratio:.0%}"
+                    cruxes[label] = dict(store=source_store, target=target, mapper=method, translation_cache_mb=0,
+                                         max_new_tokens=1, min_retention=0.0, recompute_select=crux_select,
+                                         recompute_ratio=ratio, translated_key_scale=crux_key_scale)
+                for label, crux in cruxes.items():  # *_chunk below one chunk's share: exactly one chunk, whole
+                    contexts[f"cache:{name}{label}"] = CachedContext(**crux, stored_translations=False)
                 if stored:  # translated once, off the clock, as a nightly build with --translate-for does
                     note(f"{target}: translating the store with {method}")
                     made = translate_store(source_store, ctx.target_model, mapper=method)
@@ -170,9 +178,8 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                     contexts[f"cache:{ctx.active_mapper.method}+stored"] = CachedContext(
                         store=source_store, target=target, mapper=method, translation_cache_mb=0, max_new_tokens=1,
                         min_retention=0.0, stored_translations=True)
-                    if crux_key_scale is not None:
-                        contexts[f"cache:{ctx.active_mapper.method}+crux+stored"] = CachedContext(
-                            **crux, stored_translations=True)
+                    for label, crux in cruxes.items():
+                        contexts[f"cache:{name}{label}+stored"] = CachedContext(**crux, stored_translations=True)
         reference = contexts["native_cache"]
         lm, asm = reference.target_model, reference.assembler  # the model every path answers with
         note(f"{target}: measuring its prefill rate")
@@ -313,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crux-select", default="retriever_chunk",
                         choices=["retriever_chunk", "source_chunk", "source", "retriever"],
                         help="how the crux is chosen (CachedContext.recompute_select)")
-    parser.add_argument("--crux-ratio", type=float, default=1e-3,
-                        help="the crux's share of the context (default: one whole chunk, the least *_chunk takes)")
+    parser.add_argument("--crux-ratio", type=float, nargs="+", default=[1e-3],
+                        help="the crux's share of the context (default: one whole chunk, the least *_chunk takes); "
+                             "several: each timed as its own condition, side by side")
     parser.add_argument("--stored", action="store_true",
                         help="also time each translated path reading translations stored before the clock "
                              "(`cag store translate`; README, 'Stored translations')")

@@ -165,8 +165,11 @@ def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: in
     the linear layers dominate, and smaller calls run less efficiently).
 
     Only a forward whose shapes are the recompute's is blocked; any other passes through.
+    Under sdpa each block calls torch's kernel itself with ``enable_gqa``: transformers
+    copies every key/value head once per query head whenever a mask is given (Qwen2.5: 7×).
     """
     n_kept, n_chosen = kept.numel(), chosen.numel()
+    own_kernel = getattr(model.config, "_attn_implementation", None) == "sdpa"
     # Per block of queries (rows r0..r1 of the chosen): the cache columns it may see, once for
     # every layer: the kept keys before its last query, then the chosen keys up to it.
     blocks = []
@@ -180,11 +183,18 @@ def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: in
             if (len(blocks) < 2 or query.shape[2] != n_chosen or key.shape[2] != n_kept + n_chosen
                     or attention_mask is None or attention_mask.dim() != 4):
                 return original(module, query, key, value, attention_mask, **kwargs)
+            plain = own_kernel and kwargs.get("softcap") is None and getattr(module, "sinks", None) is None
             outputs = []
             for r0, r1, cols in blocks:
                 cols = cols.to(key.device)
-                out, _ = original(module, query[:, :, r0:r1], key.index_select(2, cols), value.index_select(2, cols),
-                                  attention_mask[:, :, r0:r1].index_select(3, cols), **kwargs)
+                q, k, v = query[:, :, r0:r1], key.index_select(2, cols), value.index_select(2, cols)
+                mask = attention_mask[:, :, r0:r1].index_select(3, cols)
+                if plain:
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=kwargs.get("scaling"),
+                        enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+                else:
+                    out, _ = original(module, q, k, v, mask, **kwargs)
                 outputs.append(out)
             return torch.cat(outputs, dim=1), None  # attention outputs are [batch, queries, heads, dim]
         return wrapper
