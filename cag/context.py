@@ -570,7 +570,8 @@ class CachedContext(BaseModel):
         texts = [h.text for h in used]
         if select == "retriever":
             _, index = self._current_view()
-            spans = selection.retriever_spans(index.embed, chunks, texts, question, budget)
+            spans = selection.retriever_spans(index.embed, chunks, texts, question, budget,
+                                              sentence_vectors=[index.sentence_vectors(h.key) for h in used])
         elif select == "retriever_chunk":
             spans = selection.retriever_chunks([h.score for h in used], chunks, texts, budget)
         else:

@@ -38,14 +38,15 @@ with all four chunks native).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from cag.kv import KVChunk
+from stores.chunker import sentence_spans  # the index embeds the same sentences at build
 
 NEUTRAL_QUESTION = "What is this text about?"
 HEADS_FILE = Path(__file__).with_name("source_heads.json")
@@ -65,23 +66,6 @@ def retrieval_heads(fingerprint_id: str, path: Path | None = None) -> list[tuple
     if not entry or not entry.get("heads"):
         return None
     return [(int(layer), int(head)) for layer, head in entry["heads"]]
-
-
-_SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+[\"')\]]*|\n|$)")
-
-
-def sentence_spans(text: str) -> list[tuple[int, int]]:
-    """Character spans of `text`'s sentences (newlines end sentences too); whitespace trimmed."""
-    spans = []
-    for m in _SENTENCE.finditer(text):
-        start, end = m.start(), m.end()
-        while start < end and text[start].isspace():
-            start += 1
-        while end > start and text[end - 1].isspace():
-            end -= 1
-        if end > start:
-            spans.append((start, end))
-    return spans
 
 
 def _token_sentences(chunk: KVChunk, spans: list[tuple[int, int]]) -> list[list[int]]:
@@ -231,17 +215,27 @@ def retriever_chunks(hit_scores: Sequence[float], target_chunks: Sequence[KVChun
 
 
 def retriever_spans(embed: Callable[[list[str]], torch.Tensor], target_chunks: Sequence[KVChunk],
-                    texts: Sequence[str], question: str, budget_tokens: int) -> list[list[tuple[int, int]]]:
-    """Sentences most similar to the question by sentence embedding (the store's embedder)."""
+                    texts: Sequence[str], question: str, budget_tokens: int,
+                    sentence_vectors: Sequence[np.ndarray | None] | None = None) -> list[list[tuple[int, int]]]:
+    """Sentences most similar to the question by sentence embedding (the store's embedder).
+
+    `sentence_vectors`: per chunk, its sentences' unit vectors embedded at build
+    (`stores.index.VectorIndex.sentence_vectors`), or None where it has none; only the
+    question and the sentences without vectors are embedded now."""
     spans = [sentence_spans(t) for t in texts]
-    sentences = [t[s:e] for t, sp in zip(texts, spans) for s, e in sp]
-    if not sentences:
+    if not any(spans):
         return [[] for _ in texts]
-    vectors = torch.as_tensor(embed([question] + sentences), dtype=torch.float32)
-    vectors = torch.nn.functional.normalize(vectors, dim=-1)
-    sims = (vectors[1:] @ vectors[0]).tolist()
+    given = list(sentence_vectors) if sentence_vectors is not None else [None] * len(texts)
+    # Vectors from the index count only if they are the same sentences (same split, same count).
+    given = [v if v is not None and len(v) == len(sp) else None for v, sp in zip(given, spans)]
+    missing = [t[s:e] for t, sp, v in zip(texts, spans, given) if v is None for s, e in sp]
+    fresh = torch.nn.functional.normalize(torch.as_tensor(embed([question] + missing), dtype=torch.float32), dim=-1)
+    q, fresh = fresh[0], fresh[1:]
     scores, k = [], 0
-    for sp in spans:
-        scores.append(sims[k:k + len(sp)])
-        k += len(sp)
+    for sp, v in zip(spans, given):
+        if v is None:
+            vectors, k = fresh[k:k + len(sp)], k + len(sp)
+        else:
+            vectors = torch.nn.functional.normalize(torch.as_tensor(v, dtype=torch.float32), dim=-1)
+        scores.append((vectors @ q).tolist())
     return _choose(target_chunks, texts, scores, budget_tokens)

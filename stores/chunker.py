@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["Chunk", "Chunker", "ChunkerSettings", "chunk_text", "tokenizer_id", "CHUNKER_VERSION"]
+__all__ = ["Chunk", "Chunker", "ChunkerSettings", "chunk_text", "sentence_spans", "tokenizer_id", "CHUNKER_VERSION"]
 
 CHUNKER_VERSION = 1
 
@@ -43,6 +43,9 @@ _BATCH = 8  # segments per `encode_batch` call (parallel in the Rust tokenizer)
 _PARAGRAPH = re.compile(r"\n[^\S\n]*\n\s*")
 _SENTENCE = re.compile(r"(?<=[.!?…。！？])[\"'”’»)\]]*\s+")
 _WHITESPACE = re.compile(r"\s+")
+# A sentence of a chunk's text, for choosing what to recompute (cag.selection) and for the
+# index's sentence vectors (stores.index): a run up to . ! ? (and closing quotes), or a line.
+_SENTENCE_SPAN = re.compile(r"[^.!?\n]+(?:[.!?]+[\"')\]]*|\n|$)")
 
 
 TokenizerLike = Any  # a transformers fast tokenizer or a `tokenizers.Tokenizer`
@@ -210,3 +213,17 @@ def _segments(text: str) -> tuple[list[int], list[str]]:
 def chunk_text(text: str, tokenizer: TokenizerLike, chunk_tokens: int = 256) -> list[Chunk]:
     """Convenience: `Chunker(tokenizer, chunk_tokens=chunk_tokens).split(text)`."""
     return Chunker(tokenizer, chunk_tokens=chunk_tokens).split(text)
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of `text`'s sentences (newlines end sentences too); whitespace trimmed."""
+    spans = []
+    for m in _SENTENCE_SPAN.finditer(text):
+        start, end = m.start(), m.end()
+        while start < end and text[start].isspace():
+            start += 1
+        while end > start and text[end - 1].isspace():
+            end -= 1
+        if end > start:
+            spans.append((start, end))
+    return spans

@@ -30,7 +30,7 @@ versions with the same code.
 Publication, and why it is atomic for readers in other processes:
 
 1. a version number is allocated (a script: above every number ever used);
-2. the three files and their sha256 are uploaded into ``P:staging:<uuid>``
+2. the version's files and their sha256 are uploaded into ``P:staging:<uuid>``
    (one MULTI/EXEC with an expiry: a writer killed here leaves an orphan that
    Redis deletes by itself, and no reader ever looks at staging keys);
 3. one script renames the staged hash to ``P:version:<n>``, adds ``n`` to
@@ -73,7 +73,7 @@ from cag.kv import ModelFingerprint
 from .base import StoreStats, canonical_json
 from .diskcache_store import VerifyReport, verify_chunks
 from .errors import StoreError, StoreIntegrityError, StoreMismatchError
-from .index import INDEX_FILE, ROWS_FILE, VectorIndex
+from .index import INDEX_FILE, ROWS_FILE, SENTENCES_FILE, VectorIndex
 from .manifest import MANIFEST_FILE, Manifest
 
 if TYPE_CHECKING:
@@ -81,7 +81,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisChunkStore", "RedisStore", "RedisTarget", "StoreConnectionError", "parse_redis_url"]
 
-_VERSION_FILES = (MANIFEST_FILE, INDEX_FILE, ROWS_FILE)
+_VERSION_FILES = (MANIFEST_FILE, INDEX_FILE, ROWS_FILE, SENTENCES_FILE)
+# Files a version published by an older cag lacks (its sha256 record does not name them either).
+_OPTIONAL_FILES = (SENTENCES_FILE,)
 _SHA_FIELD = "sha256"
 _STAGING_TTL_S = 24 * 3600
 _SCAN_BATCH = 1000
@@ -411,6 +413,8 @@ class RedisStore:
             raise StoreIntegrityError(f"{where} has no valid {_SHA_FIELD} record")
         files = {}
         for name, blob in zip(names, blobs):
+            if blob is None and name in _OPTIONAL_FILES and name not in expected:
+                continue  # published before this file existed
             if blob is None:
                 raise StoreIntegrityError(f"{where} lacks its {name}")
             if hashlib.sha256(blob).hexdigest() != expected.get(name):

@@ -236,7 +236,7 @@ def test_publish_keeps_two_versions_and_checks_them(url, tmp_path):
     local.publish(*version(3))
     client, prefix = raw(url), parse_redis_url(url).prefix
     blobs = client.hgetall(f"{prefix}:version:3")
-    for name in ("index.faiss", "rows.json"):
+    for name in ("index.faiss", "rows.json", "sentences.npy"):
         assert blobs[name.encode()] == (version_dir(local.path, 1) / name).read_bytes()
     # tampering is refused, naming the version (not the temporary folder it is read from)
     client.hset(f"{prefix}:version:3", "index.faiss", b"not a faiss index")
@@ -250,6 +250,33 @@ def test_publish_keeps_two_versions_and_checks_them(url, tmp_path):
     assert "cag-redis-version" not in str(err.value)
     client.set(f"{prefix}:CURRENT", b"three")
     with pytest.raises(StoreIntegrityError, match="version number"):
+        location.open_current(FakeEmbedder())
+    client.close()
+
+
+def test_sentence_vectors_travel_with_a_version_and_an_older_version_loads_without(url):
+    location = open_store(url)
+    manifest, index = version(2)
+    location.publish(manifest, index)
+    _, back = location.open_current(FakeEmbedder())
+    for r in index.rows:
+        np.testing.assert_array_equal(back.sentence_vectors(r.key), index.sentence_vectors(r.key))
+    # a version an older cag published: no sentences.npy, no table in rows.json, no digest for either
+    client, key = raw(url), f"{parse_redis_url(url).prefix}:version:1"
+    rows = json.loads(client.hget(key, "rows.json"))
+    del rows["sentences"]
+    old_rows = json.dumps(rows).encode()
+    digests = json.loads(client.hget(key, "sha256"))
+    del digests["sentences.npy"]
+    digests["rows.json"] = hashlib.sha256(old_rows).hexdigest()
+    client.hset(key, mapping={"rows.json": old_rows, "sha256": json.dumps(digests)})
+    client.hdel(key, "sentences.npy")
+    _, old = location.open_current(FakeEmbedder())
+    assert len(old) == 2 and old.sentence_vectors(index.rows[0].key) is None
+    # a version whose record names the file but lacks it is refused
+    digests["sentences.npy"] = "0" * 64
+    client.hset(key, "sha256", json.dumps(digests))
+    with pytest.raises(StoreIntegrityError, match="lacks its sentences.npy"):
         location.open_current(FakeEmbedder())
     client.close()
 

@@ -123,3 +123,75 @@ def test_real_minilm(tmp_path):
     idx.save(tmp_path)
     back = VectorIndex.load(tmp_path)  # recorded default embedder is re-created
     assert back.search("a hot drink", k=1)[0].key == "tea"
+
+
+# ------------------------------------------------------------ sentence vectors
+
+
+def two_sentence_rows():
+    text = "Zorblat keeps 417 maps. The tower stands in Velmora!\nIdris wrote it down."
+    return [Row("z", "d1", text, 0, len(text)), *rows()]
+
+
+def test_sentence_vectors_are_each_sentence_embedded_at_add(fake_embedder):
+    from stores.chunker import sentence_spans
+
+    idx = VectorIndex(fake_embedder)
+    idx.add(two_sentence_rows())
+    for r in idx.rows:
+        want = idx.embed([r.text[a:b] for a, b in sentence_spans(r.text)])
+        np.testing.assert_array_equal(idx.sentence_vectors(r.key), want)
+    assert len(idx.sentence_vectors("z")) == 3 and idx.sentence_vectors("nobody") is None
+    idx.remove(["z"])
+    assert idx.sentence_vectors("z") is None and idx.sentence_vectors("fox") is not None
+
+
+def test_sentence_vectors_survive_save_and_load(tmp_path, fake_embedder):
+    from stores.index import SENTENCES_FILE
+
+    idx = VectorIndex(fake_embedder)
+    idx.add(two_sentence_rows())
+    idx.save(tmp_path)
+    assert (tmp_path / SENTENCES_FILE).read_bytes()[:6] == b"\x93NUMPY"  # numpy's own format, never pickle
+    back = VectorIndex.load(tmp_path, fake_embedder)
+    for r in idx.rows:
+        np.testing.assert_array_equal(back.sentence_vectors(r.key), idx.sentence_vectors(r.key))
+
+
+def test_an_index_saved_before_sentence_vectors_loads_and_gains_them_at_its_next_add(tmp_path, fake_embedder):
+    from stores.index import SENTENCES_FILE
+
+    idx = VectorIndex(fake_embedder)
+    idx.add(two_sentence_rows())
+    idx.save(tmp_path)
+    meta = json.loads((tmp_path / ROWS_FILE).read_text())
+    del meta["sentences"]  # what an older cag wrote
+    (tmp_path / ROWS_FILE).write_text(json.dumps(meta))
+    (tmp_path / SENTENCES_FILE).unlink()
+    old = VectorIndex.load(tmp_path, fake_embedder)
+    assert old.sentence_vectors("z") is None
+    old.add([Row("new", "d3", "Owls hunt at night. They fly silently.", 0, 38)])
+    for key in ("z", "fox"):  # the old rows are filled in too
+        np.testing.assert_array_equal(old.sentence_vectors(key), idx.sentence_vectors(key))
+    assert len(old.sentence_vectors("new")) == 2
+
+
+def test_corrupt_sentence_vectors_are_refused(tmp_path, fake_embedder):
+    from stores.index import SENTENCES_FILE
+
+    idx = VectorIndex(fake_embedder)
+    idx.add(two_sentence_rows())
+    idx.save(tmp_path)
+    good = (tmp_path / SENTENCES_FILE).read_bytes()
+    (tmp_path / SENTENCES_FILE).write_bytes(good[:len(good) // 2])  # truncated
+    with pytest.raises(StoreIntegrityError, match="sentences.npy"):
+        VectorIndex.load(tmp_path, fake_embedder)
+    np.save(tmp_path / SENTENCES_FILE, np.zeros((2, 64), dtype=np.float32))  # too few rows
+    with pytest.raises(StoreIntegrityError, match="sentence"):
+        VectorIndex.load(tmp_path, fake_embedder)
+    np.save(tmp_path / SENTENCES_FILE, np.array([{"a": 1}], dtype=object), allow_pickle=True)  # a pickle
+    with pytest.raises(StoreIntegrityError, match="sentences.npy"):
+        VectorIndex.load(tmp_path, fake_embedder)
+    (tmp_path / SENTENCES_FILE).unlink()
+    with pytest.raises(StoreIntegrityError, match="missing"):
+        VectorIndex.load(tmp_path, fake_embedder)

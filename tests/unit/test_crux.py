@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag.context import CachedContext
+from cag.context import CachedContext, Timings
 from tests.stores.test_build import HashEmbedder
 from tests.unit.test_router import kb  # noqa: F401  (the fixture, shared)
 
@@ -74,3 +74,30 @@ def test_the_gates_repair_setting_brings_its_own_key_scale(kb):
     p = plain.prepare(QUESTION, repair={"ratio": 0.01, "select": "retriever_chunk", "translated_key_scale": 0.5})
     torch.testing.assert_close(torch.stack([layer.keys[0] for layer in p.cache.layers]), k1)
     assert p.answer.path == "translated+repair"
+
+
+def test_the_retrievers_sentences_come_from_the_index_not_a_query_time_embedding(kb):
+    """The store's build embedded every chunk's sentences; a query embeds only itself, and chooses
+    exactly what embedding the sentences now would."""
+    from cag import selection
+
+    c = ctx(kb, recompute_select="retriever", recompute_ratio=0.2)
+    p = c.prepare(QUESTION)
+    _, index = c._current_view()
+    assert all(index.sentence_vectors(h.key) is not None for h in p.answer.sources)
+    calls = []
+    embed = index._embedder
+
+    class Counting:
+        id, dim = embed.id, getattr(embed, "dim", None)
+
+        def __call__(self, texts):
+            calls.append(len(texts))
+            return embed(texts)
+    index._embedder = Counting()
+    chunks, used = c._target_chunks(c._order(p.answer.sources), Timings(), [])
+    spans = c._guided_spans(QUESTION, chunks, used, ratio=0.2, select="retriever")
+    assert calls == [1]
+    fresh = selection.retriever_spans(index.embed, chunks, [h.text for h in used], QUESTION,
+                                      round(0.2 * sum(ch.num_tokens for ch in chunks)))
+    assert spans == fresh and any(spans) and calls[-1] > 1

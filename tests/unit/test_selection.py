@@ -115,6 +115,28 @@ def test_retriever_spans_pick_the_most_similar_sentence():
     assert spans[0] == [selection.sentence_spans(DOC)[1]]
 
 
+def test_retriever_spans_use_the_sentence_vectors_the_index_kept():
+    """Vectors embedded at build give the same choice, and only the question (and a chunk without
+    vectors, or with vectors of other sentences) is embedded at query time."""
+    calls = []
+
+    def embed(texts):
+        calls.append(list(texts))
+        return torch.stack([torch.bincount(torch.tensor([ord(c) % 64 for c in t.lower()]), minlength=64).float()
+                            for t in texts])
+    chunk, q = fake_chunk(DOC), "Zorblat keeps 417 maps in the tower?"
+    vectors = embed([DOC[a:b] for a, b in selection.sentence_spans(DOC)]).numpy()
+    calls.clear()
+    want = selection.retriever_spans(embed, [chunk, chunk], [DOC, DOC], q, 12)
+    assert len(calls[-1]) == 1 + 2 * len(vectors)
+    assert selection.retriever_spans(embed, [chunk, chunk], [DOC, DOC], q, 12,
+                                     sentence_vectors=[vectors, vectors]) == want
+    assert calls[-1] == [q]
+    assert selection.retriever_spans(embed, [chunk, chunk], [DOC, DOC], q, 12,
+                                     sentence_vectors=[vectors, vectors[:1]]) == want  # a stale entry is re-embedded
+    assert len(calls[-1]) == 1 + len(vectors)
+
+
 def test_the_best_sentence_is_taken_whole_when_the_budget_is_smaller():
     """A budget below one sentence (20% of a short context) still recomputes the best sentence whole:
     its first tokens alone would cut an answer at the sentence's end in half."""
