@@ -52,7 +52,8 @@ class Timings:
     load: float = 0.0
     translate: float = 0.0
     assemble: float = 0.0
-    recompute: float = 0.0
+    choose: float = 0.0  # choosing what to recompute outside the target (source model or retriever)
+    recompute: float = 0.0  # the target's recompute forward (and, for its own choices, the choice)
     question_prefill: float = 0.0
     first_token: float = 0.0
     decode: float = 0.0
@@ -453,12 +454,12 @@ class CachedContext(BaseModel):
         if select in GUIDED_SELECT and ratio > 0 and chunks:
             t = time.perf_counter()
             positions = self._guided_positions(question, chunks, used, asm, ratio=ratio, select=select)
-            timings.recompute += time.perf_counter() - t
+            timings.choose = time.perf_counter() - t
         with asm.model_lock:
             placed = asm.place(chunks, recompute_ratio=ratio, recompute_select=select, question_ids=question_ids,
                                first_k=self.recompute_first_k, positions=positions,
                                key_scales=self.rank_key_scales(used))
-        timings.assemble, timings.recompute = placed.assemble_s, timings.recompute + placed.recompute_s
+        timings.assemble, timings.recompute = placed.assemble_s, placed.recompute_s
         for note in notes:
             warnings.warn(note, stacklevel=3)
         path = "native" if mapper.method == "identity" else "translated"

@@ -272,7 +272,8 @@ class RoutedAnswer:
         s, lg = self.small_timings, self.large_timings or Timings()
         served = self.answer.timings
         return Timings(retrieve=s.retrieve, load=s.load + lg.load, translate=s.translate + lg.translate,
-                       assemble=s.assemble + lg.assemble, recompute=s.recompute + lg.recompute,
+                       assemble=s.assemble + lg.assemble, choose=s.choose + lg.choose,
+                       recompute=s.recompute + lg.recompute,
                        question_prefill=served.question_prefill, first_token=self.ttft_s,
                        decode=served.decode, total=self.total_s)
 

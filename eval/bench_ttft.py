@@ -262,12 +262,13 @@ def render_markdown(report: dict) -> str:
         by.setdefault((b["target"], b["length"], b["condition"]), []).append(b["breakdown"])
     if by:
         lines += ["", "Breakdown of the cached paths (medians, seconds):", "",
-                  "| target | length | condition | load | translate | assemble | recompute | question prefill | "
-                  "first token |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| target | length | condition | load | translate | assemble | choose the crux | recompute | "
+                  "question prefill | first token |", "|---|---|---|---|---|---|---|---|---|---|"]
         for (target, n, cond), items in by.items():
             med = {k: statistics.median(i[k] for i in items) for k in items[0]}
             lines.append(f"| {target} | {n} | {cond} | {med['load']:.3f} | {med['translate']:.3f} | "
-                         f"{med['assemble']:.3f} | {med['recompute']:.3f} | {med['question_prefill']:.3f} | "
+                         f"{med['assemble']:.3f} | {med.get('choose', 0.0):.3f} | {med['recompute']:.3f} | "
+                         f"{med['question_prefill']:.3f} | "
                          f"{med['first_token']:.3f} |")
     if report.get("stored_translations"):
         lines += ["", "What the `+stored` paths' translations cost, once, before the clock (the whole store: "

@@ -205,7 +205,7 @@ class ItemRunner:
             warnings.simplefilter("ignore")
             prepared = ctx.prepare(item.question, hits, max_new_tokens=self.max_new_tokens)
         t = prepared.answer.timings
-        setup = t.load + t.translate + t.assemble + t.recompute
+        setup = t.load + t.translate + t.assemble + t.choose + t.recompute
         return _Run(prepared.cache, prepared.question_ids, prepared.answer.context_tokens, setup,
                     list(prepared.answer.warnings), prepared.context_span, prepared.answer.recomputed_tokens)
 
