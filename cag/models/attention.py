@@ -164,19 +164,32 @@ def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: in
     On a 2-core CPU that saves less than the scores suggest (about 8% of the 4K crux's forward:
     the linear layers dominate, and smaller calls run less efficiently).
 
+    In a sliding-window layer a block also leaves out every key older than the window of its
+    first query (masked for the whole block too): Gemma-3's sliding layers, 15 of 18, then attend
+    over a window's worth of keys instead of the whole context.
+
     Only a forward whose shapes are the recompute's is blocked; any other passes through.
     Under sdpa each block calls torch's kernel itself with ``enable_gqa``: transformers
     copies every key/value head once per query head whenever a mask is given (Qwen2.5: 7×).
     """
     n_kept, n_chosen = kept.numel(), chosen.numel()
     own_kernel = getattr(model.config, "_attn_implementation", None) == "sdpa"
-    # Per block of queries (rows r0..r1 of the chosen): the cache columns it may see, once for
-    # every layer: the kept keys before its last query, then the chosen keys up to it.
-    blocks = []
-    for r0 in range(0, n_chosen, block):
-        r1 = min(r0 + block, n_chosen)
-        seen_kept = int(torch.searchsorted(kept, chosen[r1 - 1]))
-        blocks.append((r0, r1, torch.cat([torch.arange(seen_kept), torch.arange(n_kept, n_kept + r1)])))
+    # Per block of queries (rows r0..r1 of the chosen): the cache columns it may see, once per
+    # layer kind: the kept keys before its last query, then the chosen keys up to it (in a sliding
+    # layer, only those from the oldest key its first query's window reaches).
+    blocks = [(r0, min(r0 + block, n_chosen)) for r0 in range(0, n_chosen, block)]
+    columns: dict[int | None, list[torch.Tensor]] = {}
+
+    def columns_for(window: int | None) -> list[torch.Tensor]:
+        if window not in columns:
+            out = []
+            for r0, r1 in blocks:
+                seen_kept = int(torch.searchsorted(kept, chosen[r1 - 1]))
+                oldest = int(chosen[r0]) - window + 1 if window else 0  # older keys: outside every query's window
+                k0, c0 = int(torch.searchsorted(kept, oldest)), int(torch.searchsorted(chosen, oldest))
+                out.append(torch.cat([torch.arange(k0, seen_kept), torch.arange(n_kept + c0, n_kept + r1)]))
+            columns[window] = out
+        return columns[window]
 
     def wrap(original):
         def wrapper(module, query, key, value, attention_mask, **kwargs):
@@ -185,7 +198,7 @@ def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: in
                 return original(module, query, key, value, attention_mask, **kwargs)
             plain = own_kernel and kwargs.get("softcap") is None and getattr(module, "sinks", None) is None
             outputs = []
-            for r0, r1, cols in blocks:
+            for (r0, r1), cols in zip(blocks, columns_for(kwargs.get("sliding_window"))):
                 cols = cols.to(key.device)
                 q, k, v = query[:, :, r0:r1], key.index_select(2, cols), value.index_select(2, cols)
                 mask = attention_mask[:, :, r0:r1].index_select(3, cols)
