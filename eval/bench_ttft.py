@@ -112,14 +112,14 @@ def floor_once(lm, placed: DynamicCache, question_ids: torch.Tensor) -> float:
 def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: list[str], repeats: int,
               work_dir: Path, chunk_tokens: int = 256, log=print, progress: Progress | None = None,
               prefill_rate_tokens: int = 1024, crux_key_scale: float | None = None,
-              crux_select: str = "retriever_chunk", crux_ratio: float | Sequence[float] = 1e-3,
+              crux_select: str = "retriever_chunk", crux_ratios: Sequence[float] = (1e-3,),
               stored: bool = False) -> dict:
     """Rows per (target, length, condition), the cached paths' breakdowns, the host and prefill rates.
 
     `progress` advances once per round (one repeat of every condition at one length).
     `crux_key_scale`: also time each translated path with its crux recomputed (``+crux``), chosen by
-    `crux_select` at `crux_ratio` (default: one whole chunk, the retriever's best); several ratios: one
-    condition each, named ``+crux@<percent>``.
+    `crux_select` at each of `crux_ratios` (default: one whole chunk, the retriever's best); several
+    ratios: one condition each, named ``+crux@<percent>``.
     `stored`: also time each translated path reading translations stored before the clock (``+stored``;
     with a crux, ``+crux+stored`` too).
     """
@@ -128,7 +128,6 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
 
     if progress is not None:
         log = progress.log
-    ratios = [crux_ratio] if isinstance(crux_ratio, (int, float)) else list(crux_ratio)
     host = host_info()  # before the bench loads the machine itself
     text = essay_text()
     results = []
@@ -156,14 +155,14 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                 ctx = CachedContext(store=source_store, target=target, mapper=method, translation_cache_mb=0,
                                     max_new_tokens=1, min_retention=0.0, stored_translations=False)
                 try:
-                    contexts[f"cache:{ctx.active_mapper.method}"] = ctx
+                    contexts[f"cache:{ctx.active_mapper.method}"] = ctx  # may raise: the mapper loads here
                 except (MapperNotFoundError, ValueError) as exc:
                     log(f"{target}: no {method} mapper from {source}: {exc}".splitlines()[0][:160])
                     continue
                 name = ctx.active_mapper.method
                 cruxes = {}  # condition name -> the crux path's settings, one per ratio
-                for ratio in (ratios if crux_key_scale is not None else []):
-                    label = "+crux" if len(ratios) == 1 else f"+crux@{ratio:.0%}"
+                for ratio in crux_ratios if crux_key_scale is not None else ():
+                    label = "+crux" if len(crux_ratios) == 1 else f"+crux@{ratio:.0%}"
                     cruxes[label] = dict(store=source_store, target=target, mapper=method, translation_cache_mb=0,
                                          max_new_tokens=1, min_retention=0.0, recompute_select=crux_select,
                                          recompute_ratio=ratio, translated_key_scale=crux_key_scale)
@@ -175,7 +174,7 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                     translations.append(made.to_dict())
                     log(f"{target}: stored {made.translated} {made.mapper} translations, {made.tokens:,} tokens "
                         f"in {made.seconds:.1f} s, {made.bytes_per_token:,.0f} bytes/token ({made.dtype})")
-                    contexts[f"cache:{ctx.active_mapper.method}+stored"] = CachedContext(
+                    contexts[f"cache:{name}+stored"] = CachedContext(
                         store=source_store, target=target, mapper=method, translation_cache_mb=0, max_new_tokens=1,
                         min_retention=0.0, stored_translations=True)
                     for label, crux in cruxes.items():
@@ -267,7 +266,7 @@ def render_markdown(report: dict) -> str:
         for (target, n, cond), items in by.items():
             med = {k: statistics.median(i[k] for i in items) for k in items[0]}
             lines.append(f"| {target} | {n} | {cond} | {med['load']:.3f} | {med['translate']:.3f} | "
-                         f"{med['assemble']:.3f} | {med.get('choose', 0.0):.3f} | {med['recompute']:.3f} | "
+                         f"{med['assemble']:.3f} | {med['choose']:.3f} | {med['recompute']:.3f} | "
                          f"{med['question_prefill']:.3f} | "
                          f"{med['first_token']:.3f} |")
     if report.get("stored_translations"):
@@ -337,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             Progress("cag bench", rounds, unit="rounds") as bar:
         report = run_bench(source=args.source, targets=args.targets, lengths=args.lengths, methods=args.methods,
                            repeats=args.repeats, work_dir=Path(tmp), progress=bar, crux_key_scale=args.crux,
-                           crux_select=args.crux_select, crux_ratio=args.crux_ratio, stored=args.stored)
+                           crux_select=args.crux_select, crux_ratios=args.crux_ratio, stored=args.stored)
     report["run"] = {"command": "cag bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.platform()}, "
                      f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": torch.get_num_threads(),
