@@ -116,6 +116,8 @@ def resolve_mapper(spec: str | os.PathLike, source: ModelFingerprint, target: Lo
                   and ModelFingerprint.from_dict(card["target"]).id == target.fingerprint.id
                   and (spec == "auto" or card.get("method") == spec)]
     if not candidates:
+        if spec != "auto":  # a method whose artifact for this pair was retired: name what replaced it
+            _check_not_retired(f"{source.name}__{target.name}__{spec}")
         pairs = sorted({f"{c['source'].get('name')} → {c['target'].get('name')} ({c.get('method')})"
                         for _, c in available_mappers()})
         raise MapperNotFoundError(

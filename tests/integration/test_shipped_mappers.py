@@ -1,5 +1,5 @@
-"""The shipped mappers on the real packaged models: present, within budget, for these
-exact models, and HeteroFold better than KV Ridge where it matters (next-token fidelity).
+"""The shipped mappers on the real packaged models: present (or retired, with the replacement named),
+within budget, for these exact models, and HeteroFold better than KV Ridge where it matters (next-token fidelity).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cag.mapping import card_fidelity, resolve_mapper
+from cag.mapping import MapperRetiredError, card_fidelity, resolve_mapper
 from cag.models import registry as reg
 from eval.datasets import essay_text, evaluation_essays
 from mappers.base import load_mapper
@@ -22,6 +22,8 @@ PRETRAINED = Path(__file__).resolve().parents[2] / "mappers" / "pretrained"
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
 DIRECTIONS = list(itertools.permutations(MODELS, 2))
 METHODS = ["ridge", "latent", "heterofold", "mot"]
+# Where the lab's bottleneck ships, MoT lost to it on the gate's lookups (0 of 30 found) and was retired.
+RETIRED = {("smollm2-135m", "qwen2.5-0.5b"): {"mot": "bottleneck"}, ("smollm2-135m", "gemma3-270m"): {"mot": "bottleneck"}}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,11 @@ def models():
 
 @pytest.mark.parametrize("source,target", DIRECTIONS)
 def test_every_direction_ships_every_method_for_these_models(source, target, models):
-    for method in METHODS:
+    retired = RETIRED.get((source, target), {})
+    for method, replacement in retired.items():
+        with pytest.raises(MapperRetiredError, match=f"Use {source}__{target}__{replacement}"):
+            resolve_mapper(method, models[source].fingerprint, models[target])
+    for method in (m for m in METHODS if m not in retired):
         folder = PRETRAINED / f"{source}__{target}__{method}"
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         assert size <= 20e6, f"{folder.name} is {size / 1e6:.1f} MB"
@@ -54,7 +60,7 @@ def test_auto_ranks_by_lookup_fidelity_and_heterofold_is_live_better_on_an_evalu
     source, target = models["smollm2-135m"], models["qwen2.5-0.5b"]
     auto = resolve_mapper("auto", source.fingerprint, target)
     cards = {m: json.loads(p.read_text()) for m in (*METHODS, "bottleneck")
-             for p in [PRETRAINED / f"smollm2-135m__qwen2.5-0.5b__{m}" / "card.json"]}
+             for p in [PRETRAINED / f"smollm2-135m__qwen2.5-0.5b__{m}" / "card.json"] if p.exists()}
     lookup = {m: c.get("fidelity", {}).get("lookup", {}).get("found_retention") for m, c in cards.items()}
     measured = {m: r for m, r in lookup.items() if r is not None}
     assert measured, "the gate measured no mapper for this pair"

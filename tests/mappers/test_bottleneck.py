@@ -166,12 +166,21 @@ def test_a_retired_artifact_is_refused_with_its_replacement_named(fitted, llama,
     assert mapping.resolve_mapper(str(tmp_path / "old-copy"), llama.fingerprint, gemma2tok).method == "bottleneck"
     entry = {"was": "a PCA bottleneck", "replacement": "llama__gemma__bottleneck", "why": "the refit finds more",
              "retired": "2026-12-02"}
+    pair_method = f"{llama.fingerprint.name}__{gemma2tok.name}__mot"
     monkeypatch.setattr(mapping, "retired_artifacts",
-                        lambda: {"by_weights_sha256": {sha: entry}, "by_name": {"llama__gemma__pca": entry}})
+                        lambda: {"by_weights_sha256": {sha: entry},
+                                 "by_name": {"llama__gemma__pca": entry, pair_method: entry}})
     with pytest.raises(mapping.MapperRetiredError, match="retired .*Use llama__gemma__bottleneck"):
         mapping.resolve_mapper(str(tmp_path / "old-copy"), llama.fingerprint, gemma2tok)
     with pytest.raises(mapping.MapperNotFoundError, match="llama__gemma__bottleneck"):  # by name, a subclass
         mapping.resolve_mapper("llama__gemma__pca", llama.fingerprint, gemma2tok)
+    # by method: no artifact of it for the pair, and the pair's artifact of it was retired
+    with pytest.raises(mapping.MapperRetiredError, match=f"{pair_method} is retired .*Use llama__gemma__bottleneck"):
+        mapping.resolve_mapper("mot", llama.fingerprint, gemma2tok)
+    # a method that was never shipped for the pair is not called retired
+    with pytest.raises(mapping.MapperNotFoundError) as err:
+        mapping.resolve_mapper("latent", llama.fingerprint, gemma2tok)
+    assert not isinstance(err.value, mapping.MapperRetiredError)
 
 
 def test_the_shipped_retirement_list_reads_and_names_replacements_that_ship():
