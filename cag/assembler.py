@@ -39,8 +39,9 @@ from cag.models.prompt import head_ids as prompt_head_ids
 
 # How `place` chooses the tokens to recompute. "source" and "retriever" are chosen
 # outside the target (cag.selection) and passed in as `positions`.
-RECOMPUTE_SELECT = ("deviation", "question", "first_k", "source", "retriever", "source_chunk", "retriever_chunk")
-GUIDED_SELECT = ("source", "retriever", "source_chunk", "retriever_chunk")  # positions chosen outside the target
+RECOMPUTE_SELECT = ("deviation", "question", "first_k", "source", "retriever", "source_retriever", "source_chunk",
+                    "retriever_chunk")
+GUIDED_SELECT = ("source", "retriever", "source_retriever", "source_chunk", "retriever_chunk")  # positions chosen outside the target
 
 
 @dataclass

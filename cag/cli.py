@@ -433,7 +433,7 @@ def query(
     recompute: Annotated[float, typer.Option(help="Fraction of context tokens to recompute (CacheBlend).",
                                              min=0.0, max=1.0)] = 0.0,
     recompute_select: Annotated[str, typer.Option(help="deviation, question, first_k, source, retriever, "
-                                                  "source_chunk or retriever_chunk "
+                                                  "source_retriever, source_chunk or retriever_chunk "
                                                   "(see CachedContext.recompute_select).")] = "deviation",
     translated_key_scale: TranslatedKeyScale = 1.0,
     rank_key_decay: RankKeyDecay = None,
@@ -626,7 +626,8 @@ def eval_cmd(
     recompute_select: Annotated[str, typer.Option(help="Which tokens are recomputed: deviation (CacheBlend), "
                                                   "question (where the target's question attends), first_k "
                                                   "(EPIC), source (the store's source model's contrastive "
-                                                  "attention), retriever (sentence embeddings), or "
+                                                  "attention), retriever (sentence embeddings), "
+                                                  "source_retriever (both, rank-fused), or "
                                                   "source_chunk / retriever_chunk (whole chunks by the "
                                                   "same scores: prefill the crux).")] = "deviation",
     translated_key_scale: TranslatedKeyScale = 1.0,
@@ -699,7 +700,7 @@ def bench_cmd(
                                                "chunk recomputed and the others' keys scaled by this.",
                                                min=0.0, max=1.0, show_default=False)] = None,
     crux_select: Annotated[str, typer.Option(help="How the crux is chosen: retriever_chunk, source_chunk, "
-                                             "source or retriever (sentences).")] = "retriever_chunk",
+                                             "source, retriever or source_retriever (sentences).")] = "retriever_chunk",
     crux_ratio: Annotated[list[float] | None, typer.Option(min=0.0, max=1.0, help="The crux's share of the "
                                                            "context (default: one whole chunk); repeatable: "
                                                            "each ratio timed side by side.")] = None,

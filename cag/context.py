@@ -178,13 +178,14 @@ class CachedContext(BaseModel):
     top_k: int = Field(4, ge=1, description="Chunks retrieved per question.")
     recompute_ratio: float = Field(0.0, ge=0.0, le=1.0, description="CacheBlend: fraction of context "
                                    "tokens the target recomputes (0 = none, 1 = direct context).")
-    recompute_select: Literal["deviation", "question", "first_k", "source", "retriever", "source_chunk",
-                              "retriever_chunk"] = Field(
+    recompute_select: Literal["deviation", "question", "first_k", "source", "retriever", "source_retriever",
+                              "source_chunk", "retriever_chunk"] = Field(
         "deviation", description="Which tokens are recomputed: 'deviation' (CacheBlend: K/V furthest from "
         "a fresh computation), 'question' (where the target's question attends over the placed cache), "
         "'first_k' (EPIC: the first recompute_first_k tokens of every chunk), 'source' (where the store's "
         "source model's contrastive question attention points, over its own chunks: for translated caches), "
-        "'retriever' (sentences closest to the question by embedding); 'source_chunk' / 'retriever_chunk': "
+        "'retriever' (sentences closest to the question by embedding); 'source_retriever' (both, by "
+        "reciprocal rank fusion); 'source_chunk' / 'retriever_chunk': "
         "whole chunks by the same scores, while they fit in the ratio and at least one (prefill the crux). "
         "See cag.selection.")
     recompute_first_k: int = Field(16, ge=0, description="Tokens per chunk for recompute_select='first_k'.")
@@ -576,12 +577,17 @@ class CachedContext(BaseModel):
         elif select == "retriever_chunk":
             spans = selection.retriever_chunks([h.score for h in used], chunks, texts, budget)
         else:
-            manifest, _ = self._current_view()
+            manifest, index = self._current_view()
             source_chunks = [KVChunk.from_bytes(self._chunks.get(h.key), expect_model=manifest.source_fingerprint)
                              for h in used]
-            choose = selection.source_guided_chunks if select == "source_chunk" else selection.source_guided_spans
-            spans = choose(self._source_assembler(), source_chunks, chunks, texts, question, budget,
-                           heads=selection.retrieval_heads(manifest.source_fingerprint.id))
+            heads = selection.retrieval_heads(manifest.source_fingerprint.id)
+            if select == "source_retriever":
+                spans = selection.source_retriever_spans(
+                    self._source_assembler(), source_chunks, chunks, texts, question, budget, index.embed,
+                    sentence_vectors=[index.sentence_vectors(h.key) for h in used], heads=heads)
+            else:
+                choose = selection.source_guided_chunks if select == "source_chunk" else selection.source_guided_spans
+                spans = choose(self._source_assembler(), source_chunks, chunks, texts, question, budget, heads=heads)
         return spans
 
     def document_hits(self, doc_ids: list[str]) -> list[Any]:

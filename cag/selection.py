@@ -12,6 +12,7 @@ through them), so the choice is made where attention can be trusted.
   cancels the positional prior and the sink-like tokens every question looks at.
 - **retriever**: sentence embeddings of each sentence against the question (the
   store's own embedder): the cheapest baseline, no model forward at all.
+- **source_retriever**: both, by reciprocal rank fusion of their sentence rankings.
 
 Both score *sentences* (a fact is a span: a name's first piece draws the
 attention, the rest must be right too) and pick the best until the budget of
@@ -222,9 +223,52 @@ def retriever_spans(embed: Callable[[list[str]], torch.Tensor], target_chunks: S
     `sentence_vectors`: per chunk, its sentences' unit vectors embedded at build
     (`stores.index.VectorIndex.sentence_vectors`), or None where it has none; only the
     question and the sentences without vectors are embedded now."""
-    spans = [sentence_spans(t) for t in texts]
-    if not any(spans):
+    if not any(sentence_spans(t) for t in texts):
         return [[] for _ in texts]
+    scores = retriever_sentence_scores(embed, texts, question, sentence_vectors)
+    return _choose(target_chunks, texts, scores, budget_tokens)
+
+
+# Reciprocal rank fusion's constant (Cormack, Clarke and Büttcher, SIGIR 2009), as published: not tuned here.
+RRF_K = 60
+
+
+def fused_sentence_scores(*rankings: list[list[float]]) -> list[list[float]]:
+    """Reciprocal rank fusion of per-chunk, per-sentence scores: each sentence gets
+    ``Σ 1 / (RRF_K + rank)`` over the rankings (rank 1 = best over every chunk's sentences).
+
+    Ranks, not raw values: attention contrasts and cosine similarities live on
+    unrelated scales, and a sentence both choices rank high beats one that only one does."""
+    shape = [len(r) for r in rankings[0]]
+    fused = [[0.0] * n for n in shape]
+    for ranking in rankings:
+        if [len(r) for r in ranking] != shape:
+            raise ValueError("rankings over different sentences")
+        flat = sorted(((v, c, s) for c, row in enumerate(ranking) for s, v in enumerate(row)), key=lambda x: -x[0])
+        for rank, (_, c, s) in enumerate(flat, start=1):
+            fused[c][s] += 1.0 / (RRF_K + rank)
+    return fused
+
+
+@torch.inference_mode()
+def source_retriever_spans(source_assembler, source_chunks: Sequence[KVChunk], target_chunks: Sequence[KVChunk],
+                           texts: Sequence[str], question: str, budget_tokens: int,
+                           embed: Callable[[list[str]], torch.Tensor],
+                           sentence_vectors: Sequence[np.ndarray | None] | None = None,
+                           heads: Sequence[tuple[int, int]] | None = None) -> list[list[tuple[int, int]]]:
+    """Sentences ranked by both choices at once (`fused_sentence_scores` of the source model's
+    contrastive attention and the retriever's similarity): #12's "combination of both"."""
+    if not any(sentence_spans(t) for t in texts):
+        return [[] for _ in texts]
+    source = _source_sentence_scores(source_assembler, source_chunks, texts, question, heads)
+    retriever = retriever_sentence_scores(embed, texts, question, sentence_vectors)
+    return _choose(target_chunks, texts, fused_sentence_scores(source, retriever), budget_tokens)
+
+
+def retriever_sentence_scores(embed: Callable[[list[str]], torch.Tensor], texts: Sequence[str], question: str,
+                              sentence_vectors: Sequence[np.ndarray | None] | None = None) -> list[list[float]]:
+    """Per chunk, per sentence: the cosine similarity of its embedding to the question's."""
+    spans = [sentence_spans(t) for t in texts]
     given = list(sentence_vectors) if sentence_vectors is not None else [None] * len(texts)
     # Vectors from the index count only if they are the same sentences (same split, same count).
     given = [v if v is not None and len(v) == len(sp) else None for v, sp in zip(given, spans)]
@@ -238,4 +282,4 @@ def retriever_spans(embed: Callable[[list[str]], torch.Tensor], target_chunks: S
         else:
             vectors = torch.nn.functional.normalize(torch.as_tensor(v, dtype=torch.float32), dim=-1)
         scores.append((vectors @ q).tolist())
-    return _choose(target_chunks, texts, scores, budget_tokens)
+    return scores

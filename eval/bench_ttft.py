@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time each translated path with its best chunk recomputed and the other chunks' "
                              "keys scaled by KEY_SCALE (the crux path; README, 'Chunk repair')")
     parser.add_argument("--crux-select", default="retriever_chunk",
-                        choices=["retriever_chunk", "source_chunk", "source", "retriever"],
+                        choices=["retriever_chunk", "source_chunk", "source", "retriever", "source_retriever"],
                         help="how the crux is chosen (CachedContext.recompute_select)")
     parser.add_argument("--crux-ratio", type=float, nargs="+", default=[1e-3],
                         help="the crux's share of the context (default: one whole chunk, the least *_chunk takes); "

@@ -39,7 +39,8 @@ from eval.run import build_eval_store  # noqa: E402
 ALPHAS = (1.0, 0.85, 0.7, 0.6, 0.5, 0.4, 0.3)
 CHOICES = {"retriever_chunk": "the retriever's best chunk", "source_chunk": "the source model's best chunk",
            "source": "the sentences the source model's contrastive attention picks",
-           "retriever": "the sentences closest to the question by embedding"}
+           "retriever": "the sentences closest to the question by embedding",
+           "source_retriever": "the sentences both rank highest (reciprocal rank fusion)"}
 
 
 def measure(ctx: CachedContext, items, alpha: float, bar) -> dict:
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--alphas", nargs="+", type=float, default=list(ALPHAS))
     ap.add_argument("--select", default="retriever_chunk",
-                    choices=["retriever_chunk", "source_chunk", "source", "retriever"],
+                    choices=list(CHOICES),
                     help="which tokens the target recomputes (CachedContext.recompute_select)")
     ap.add_argument("--ratio", type=float, default=0.25,
                     help="recompute ratio (for *_chunk: whole chunks while they fit, at least one)")

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alphas", nargs="+", type=float, default=[1.0, 0.5],
                     help="translated key scales for the oracle crux (and for every choice with --all-alphas)")
     ap.add_argument("--selects", nargs="+", default=["source", "retriever", "oracle"],
-                    choices=["source", "retriever", "oracle"])
+                    choices=["source", "retriever", "source_retriever", "oracle"])
     ap.add_argument("--all-alphas", action="store_true", help="every choice at every alpha, not only the oracle")
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "crux_cover")
     ap.add_argument("--store-root", type=Path, default=Path.home() / ".cache" / "cag" / "repair_ablation")

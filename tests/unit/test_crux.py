@@ -101,3 +101,31 @@ def test_the_retrievers_sentences_come_from_the_index_not_a_query_time_embedding
     fresh = selection.retriever_spans(index.embed, chunks, [h.text for h in used], QUESTION,
                                       round(0.2 * sum(ch.num_tokens for ch in chunks)))
     assert spans == fresh and any(spans) and calls[-1] > 1
+
+
+def test_source_retriever_fuses_the_two_choices_the_context_would_make(kb, monkeypatch):
+    """`recompute_select="source_retriever"`: the source model's and the retriever's sentence rankings,
+    rank-fused, from the same chunks and index vectors the two selectors read."""
+    from cag import selection
+    from cag.kv import KVChunk
+    from cag.models import registry
+
+    _, small, _ = kb
+    load = registry.load  # the tiny source model is found by its folder, not by the name its chunks carry
+    small_name = load(str(small), "float32").fingerprint.name
+    monkeypatch.setattr(registry, "load", lambda name, dtype: load(str(small) if name == small_name else name, dtype))
+    c = ctx(kb, recompute_select="source_retriever", recompute_ratio=0.2)
+    p = c.prepare(QUESTION)
+    assert p.answer.path == "translated+repair" and p.answer.recomputed_tokens > 0
+    chunks, used = c._target_chunks(c._order(p.answer.sources), Timings(), [])
+    texts = [h.text for h in used]
+    budget = round(0.2 * sum(ch.num_tokens for ch in chunks))
+    spans = c._guided_spans(QUESTION, chunks, used, ratio=0.2)
+    manifest, index = c._current_view()
+    source_chunks = [KVChunk.from_bytes(c._chunks.get(h.key), expect_model=manifest.source_fingerprint) for h in used]
+    heads = selection.retrieval_heads(manifest.source_fingerprint.id)
+    src = selection._source_sentence_scores(c._source_assembler(), source_chunks, texts, QUESTION, heads)
+    ret = selection.retriever_sentence_scores(index.embed, texts, QUESTION,
+                                              [index.sentence_vectors(h.key) for h in used])
+    assert spans == selection._choose(chunks, texts, selection.fused_sentence_scores(src, ret), budget)
+    assert any(spans)

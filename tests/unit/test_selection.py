@@ -1,5 +1,6 @@
 """Choosing the crux outside the target (#9): first-k, source-guided and retriever-guided recompute."""
 
+import pytest
 import torch
 
 from cag import selection
@@ -217,3 +218,45 @@ def test_retrieval_heads_run_only_the_layers_up_to_the_deepest(tiny):
         hook.remove()
     assert layers_run == []  # layer 1 never ran: only layer 0 holds a chosen head
     torch.testing.assert_close(got, every[[0, 0], [1, 0]].mean(dim=0))
+
+
+def test_rank_fusion_prefers_what_both_choices_rank_high_and_ignores_their_scales():
+    source = [[0.9, 0.5, 0.1], [0.2]]  # attention contrasts
+    retriever = [[10.0, 40.0, 30.0], [20.0]]  # another scale entirely: only the order counts
+    fused = selection.fused_sentence_scores(source, retriever)
+    flat = {(c, s): v for c, row in enumerate(fused) for s, v in enumerate(row)}
+    assert max(flat, key=flat.get) == (0, 1)  # 2nd for the source, 1st for the retriever
+    assert flat[(0, 0)] > flat[(1, 0)]  # 1st and 4th beats 4th and 3rd
+    k = selection.RRF_K
+    assert flat[(0, 1)] == pytest.approx(1 / (k + 2) + 1 / (k + 1))
+    assert selection.fused_sentence_scores([[3.0, 1.0]]) == [[1 / (k + 1), 1 / (k + 2)]]
+    with pytest.raises(ValueError):
+        selection.fused_sentence_scores([[1.0, 2.0]], [[1.0]])
+
+
+def test_source_retriever_spans_take_the_sentence_both_point_at():
+    """The source's planted sentence and the retriever's best differ; the fused choice takes the one
+    the other also ranks second over the ones only one of them likes."""
+    chunk = fake_chunk(DOC)
+    spans = selection.sentence_spans(DOC)
+    inside = lambda span: torch.tensor([j for j, (s, e) in enumerate(chunk.offsets.tolist())  # noqa: E731
+                                        if s >= span[0] and e <= span[1]])
+    fake = FakeAssembler(chunk, inside(spans[1]))
+    source_only = selection.source_guided_spans(fake, [chunk], [chunk], [DOC], "How many maps?", budget_tokens=7)
+    assert source_only == [[spans[1]]]
+    sentences = [DOC[a:b] for a, b in spans]
+
+    def embed(texts):  # the question is most like sentence 3, then 1, 2 and 0
+        out = []
+        for t in texts:
+            v = torch.zeros(len(sentences))
+            if t in sentences:
+                v[sentences.index(t)] = 1.0
+            else:  # the question
+                v[:] = torch.tensor([0.1, 0.8, 0.3, 1.0])
+            out.append(v + 0.05)
+        return torch.stack(out)
+    assert selection.retriever_spans(embed, [chunk], [DOC], "How many maps?", 6) == [[spans[3]]]
+    fused = selection.source_retriever_spans(fake, [chunk], [chunk], [DOC], "How many maps?", 7, embed)
+    assert fused == [[spans[1]]]  # 1st for the source and 2nd for the retriever beats 4th and 1st
+    assert selection.source_retriever_spans(fake, [chunk], [chunk], [""], "q?", 7, embed) == [[]]
