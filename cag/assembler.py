@@ -257,8 +257,9 @@ class Assembler:
         for chunk in chunks:
             self.target.check_chunk(chunk)
         dtype = self.target.dtype
-        keys = concat_tokens([c.keys for c in parts], dtype)
-        values = concat_tokens([c.values for c in parts], dtype)
+        upto = num_layers or self.target.adapter.num_layers  # the layers the forward will not reach: not placed
+        keys = concat_tokens([c.keys[:upto] for c in parts], dtype)
+        values = concat_tokens([c.values[:upto] for c in parts], dtype)
         total = keys.shape[2]
         self.target.adapter.rotate(keys, torch.arange(total), out=keys)
         with self.model_lock:

@@ -106,7 +106,8 @@ class FamilyAdapter:
         return cos.index_select(1, positions), sin.index_select(1, positions)
 
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Apply RoPE at `positions` to position-free keys ``[layers, heads, tokens, dim]``.
+        """Apply RoPE at `positions` to position-free keys ``[layers, heads, tokens, dim]``
+        (every layer of the model, or its first ones: a forward cut short needs no more).
 
         `out`: where the rotated keys go (the same shape and dtype; `keys` itself rotates
         them in place); a new tensor by default."""
@@ -118,8 +119,8 @@ class FamilyAdapter:
 
     def _rotate(self, keys: torch.Tensor, positions: torch.Tensor, *, inverse: bool,
                 out: torch.Tensor | None) -> torch.Tensor:
-        if keys.dim() != 4 or keys.shape[0] != self.num_layers:
-            raise ValueError(f"keys must be [{self.num_layers}, heads, tokens, dim], got {tuple(keys.shape)}")
+        if keys.dim() != 4 or not 1 <= keys.shape[0] <= self.num_layers:
+            raise ValueError(f"keys must be [layers ≤ {self.num_layers}, heads, tokens, dim], got {tuple(keys.shape)}")
         if positions.shape != (keys.shape[2],):
             raise ValueError(f"need one position per token: {tuple(positions.shape)} vs {keys.shape[2]} tokens")
         if out is None:
@@ -138,7 +139,7 @@ class FamilyAdapter:
             # function: the fp32 temporaries are one layer's (they stay in the CPU's caches),
             # and the result is written straight into `out`. Elementwise, so equal bit for
             # bit to rotating all layers at once.
-            for i in layers:
+            for i in (i for i in layers if i < keys.shape[0]):
                 _, rotated = self._apply_rope(no_q, keys[i : i + 1].float(), cos, sin)
                 out[i].copy_(rotated[0])
         return out

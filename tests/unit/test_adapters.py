@@ -29,6 +29,19 @@ def test_rotation_is_invertible_at_any_position(tiny):
     assert (a.rotate(keys, pos) - keys).abs().max() > 0.1
 
 
+def test_rotating_the_first_layers_equals_those_layers_of_the_whole(tiny):
+    """A forward cut after n layers needs only their keys: each layer keeps its own RoPE (Gemma-3's
+    sliding and full layers differ), and more layers than the model has is refused."""
+    a = tiny.adapter
+    keys = torch.randn(a.num_layers, a.num_kv_heads, 9, a.head_dim)
+    pos = torch.arange(9) * 5 + 3
+    whole = a.rotate(keys, pos)
+    for n in range(1, a.num_layers + 1):
+        torch.testing.assert_close(a.rotate(keys[:n], pos), whole[:n], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="layers"):
+        a.rotate(torch.randn(a.num_layers + 1, a.num_kv_heads, 9, a.head_dim), pos)
+
+
 def test_rotation_composes_by_relative_shift(tiny):
     """Rotating by p then by q equals rotating by p+q: what re-rotation relies on."""
     a = tiny.adapter
