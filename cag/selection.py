@@ -223,10 +223,8 @@ def retriever_spans(embed: Callable[[list[str]], torch.Tensor], target_chunks: S
     `sentence_vectors`: per chunk, its sentences' unit vectors embedded at build
     (`stores.index.VectorIndex.sentence_vectors`), or None where it has none; only the
     question and the sentences without vectors are embedded now."""
-    if not any(sentence_spans(t) for t in texts):
-        return [[] for _ in texts]
-    scores = retriever_sentence_scores(embed, texts, question, sentence_vectors)
-    return _choose(target_chunks, texts, scores, budget_tokens)
+    return _choose(target_chunks, texts, retriever_sentence_scores(embed, texts, question, sentence_vectors),
+                   budget_tokens)
 
 
 # Reciprocal rank fusion's constant (Cormack, Clarke and Büttcher, SIGIR 2009), as published: not tuned here.
@@ -258,8 +256,6 @@ def source_retriever_spans(source_assembler, source_chunks: Sequence[KVChunk], t
                            heads: Sequence[tuple[int, int]] | None = None) -> list[list[tuple[int, int]]]:
     """Sentences ranked by both choices at once (`fused_sentence_scores` of the source model's
     contrastive attention and the retriever's similarity): #12's "combination of both"."""
-    if not any(sentence_spans(t) for t in texts):
-        return [[] for _ in texts]
     source = _source_sentence_scores(source_assembler, source_chunks, texts, question, heads)
     retriever = retriever_sentence_scores(embed, texts, question, sentence_vectors)
     return _choose(target_chunks, texts, fused_sentence_scores(source, retriever), budget_tokens)
@@ -269,6 +265,8 @@ def retriever_sentence_scores(embed: Callable[[list[str]], torch.Tensor], texts:
                               sentence_vectors: Sequence[np.ndarray | None] | None = None) -> list[list[float]]:
     """Per chunk, per sentence: the cosine similarity of its embedding to the question's."""
     spans = [sentence_spans(t) for t in texts]
+    if not any(spans):
+        return [[] for _ in texts]  # nothing to rank: no embedding call
     given = list(sentence_vectors) if sentence_vectors is not None else [None] * len(texts)
     # Vectors from the index count only if they are the same sentences (same split, same count).
     given = [v if v is not None and len(v) == len(sp) else None for v, sp in zip(given, spans)]
