@@ -23,6 +23,11 @@ evaluation set. The figure the gate reads is the *found-rate retention*: the
 share of questions whose gold answer appears in the path's answer, over the
 share direct context finds on the same items.
 
+A ``+repair`` path may have several records, one per recompute setting measured
+(share, selector, translated key scale); each is its own candidate, ordered by what
+it costs at query time (`repair_cost`: the share recomputed, which dominates at
+length, then the choice's own cost), so the cheapest setting that passes is served.
+
 The gate takes the fastest path whose retention is at least ``min_retention``
 *and* that finds more answers than no context did on the same items (a path that
 measures no better than no context is never served by default). A path with no
@@ -45,6 +50,11 @@ from typing import Any
 PATHS = ("native", "native+repair", "translated", "translated+repair", "direct")
 DEFAULT_MIN_RETENTION = 0.6
 NATIVE_LOOKUP_FILE = "native_lookup.json"
+# What choosing the crux costs before the recompute, cheapest first (at 4K into Qwen2.5: the
+# first tokens and the index's sentence vectors are free, the source model's question forward
+# ~0.45 s, a partial prefill of the target's first layers for CacheBlend's deviation ~2 s).
+SELECT_COST = ("first_k", "retriever", "retriever_chunk", "source_retriever", "source", "source_chunk",
+               "question", "deviation")
 
 
 class GateError(RuntimeError):
@@ -96,6 +106,16 @@ class PathFidelity:
             (ratio, select, float(translated_key_scale))
 
     @property
+    def label(self) -> str:
+        """The path, and for a +repair record the setting it speaks for."""
+        if not self.repair:
+            return self.path
+        rec = self.repair
+        scale = float(rec.get("translated_key_scale", 1.0))
+        return (f"{self.path} ({rec.get('select')} {float(rec.get('ratio', 0)):.0%}"
+                + (f", translated keys ×{scale:g}" if scale != 1.0 else "") + ")")
+
+    @property
     def measured(self) -> bool:
         return self.found_retention is not None and self.n > 0
 
@@ -111,20 +131,20 @@ class PathFidelity:
         if min_retention <= 0.0:
             return True, "gate off (min_retention=0): served whatever it measures"
         if not self.measured:
-            return False, f"{self.path} path has no measured lookup fidelity for this pair"
+            return False, f"{self.label} path has no measured lookup fidelity for this pair"
         if not self.beats_no_context():
-            return False, (f"{self.path} path finds no more answers than no context "
+            return False, (f"{self.label} path finds no more answers than no context "
                            f"({self.found_rate:.2f} vs {self.no_context_found_rate:.2f}, n={self.n})")
         if self.found_retention < min_retention:
-            return False, (f"{self.path} path keeps {self.found_retention:.2f} of direct context's found-rate "
+            return False, (f"{self.label} path keeps {self.found_retention:.2f} of direct context's found-rate "
                            f"(n={self.n}), below the gate's {min_retention:.2f}")
         if self.copy_found_retention is not None and self.copy_found_retention < min_retention:
-            return False, (f"{self.path} path keeps {self.found_retention:.2f} of direct context's found-rate on "
+            return False, (f"{self.label} path keeps {self.found_retention:.2f} of direct context's found-rate on "
                            f"lookups but {self.copy_found_retention:.2f} on answers copied exactly (codes, invented "
                            f"names; n={self.copy_n}), below the gate's {min_retention:.2f}")
         copied = "" if self.copy_found_retention is None else \
             f", {self.copy_found_retention:.2f} on answers copied exactly (n={self.copy_n})"
-        return True, (f"{self.path} path keeps {self.found_retention:.2f} of direct context's found-rate "
+        return True, (f"{self.label} path keeps {self.found_retention:.2f} of direct context's found-rate "
                       f"(n={self.n}{copied}; gate {min_retention:.2f})")
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,6 +181,13 @@ def choose_path(candidates: list[PathFidelity], min_retention: float, fallback: 
     return GateDecision("direct", PathFidelity("direct"), why, tuple(rejected))
 
 
+def repair_cost(fidelity: PathFidelity) -> tuple[float, int]:
+    """Sort key of +repair records, cheapest first: the share recomputed, then the choice's cost."""
+    rec = fidelity.repair or {}
+    select = rec.get("select")
+    return (float(rec.get("ratio", 1.0)), SELECT_COST.index(select) if select in SELECT_COST else len(SELECT_COST))
+
+
 def served_repair(decision: GateDecision) -> dict | None:
     """The recompute settings a ``+repair`` path was measured with (pass to `CachedContext.prepare`),
     or None: whoever serves the gate's choice must serve it as it was measured."""
@@ -177,19 +204,56 @@ def native_lookup_path() -> Path:
     return Path(mappers.__file__).resolve().parent / "pretrained" / NATIVE_LOOKUP_FILE
 
 
-def native_fidelity(model_id: str, model_name: str = "", *, repair: bool = False) -> PathFidelity:
+def repair_records(slot: Any) -> list[dict]:
+    """The records of a +repair slot: one dict (cards written before several were kept) or a list."""
+    if isinstance(slot, dict):
+        return [slot]
+    if isinstance(slot, list):
+        return [r for r in slot if isinstance(r, dict)]
+    return []
+
+
+def _repair_key(record: dict) -> tuple:
+    rec = record.get("repair") or {}
+    return (rec.get("ratio"), rec.get("select"), float(rec.get("translated_key_scale", 1.0)))
+
+
+def with_repair_record(slot: Any, record: dict) -> list[dict]:
+    """`slot`'s records with `record` in place of any measured with the same settings (others kept)."""
+    return [r for r in repair_records(slot) if _repair_key(r) != _repair_key(record)] + [record]
+
+
+def _repair_candidates(path: str, slot: Any, recorded_in: str, method: str = "") -> list[PathFidelity]:
+    found = [PathFidelity.from_record(path, r, recorded_in=recorded_in, method=method) for r in repair_records(slot)]
+    return sorted(found, key=repair_cost) or [PathFidelity(path, recorded_in=recorded_in, method=method)]
+
+
+def native_fidelity(model_id: str, model_name: str = "") -> PathFidelity:
     """The native path's record for a model (by fingerprint id), or an unmeasured one."""
     path = native_lookup_path()
-    record = None
-    if path.is_file():
-        data = json.loads(path.read_text())
-        record = (data.get("repair" if repair else "models") or {}).get(model_id)
-    return PathFidelity.from_record("native+repair" if repair else "native", record,
-                                    recorded_in=f"{path.name}[{model_name or model_id}]")
+    record = (_native_file().get("models") or {}).get(model_id)
+    return PathFidelity.from_record("native", record, recorded_in=f"{path.name}[{model_name or model_id}]")
 
 
-def translated_fidelity(card: dict[str, Any], folder: str | Path, *, repair: bool = False) -> PathFidelity:
-    """A translated path's record from its mapper card (``fidelity.lookup``, ``fidelity.lookup_repair``)."""
-    record = (card.get("fidelity") or {}).get("lookup_repair" if repair else "lookup")
-    return PathFidelity.from_record("translated+repair" if repair else "translated", record,
-                                    recorded_in=str(Path(folder).name), method=str(card.get("method", "")))
+def native_repair_fidelities(model_id: str, model_name: str = "") -> list[PathFidelity]:
+    """The native+repair records for a model, cheapest first (one unmeasured when there are none)."""
+    slot = (_native_file().get("repair") or {}).get(model_id)
+    return _repair_candidates("native+repair", slot, f"{native_lookup_path().name}[{model_name or model_id}]")
+
+
+def _native_file() -> dict:
+    path = native_lookup_path()
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def translated_fidelity(card: dict[str, Any], folder: str | Path) -> PathFidelity:
+    """A translated path's record from its mapper card (``fidelity.lookup``)."""
+    record = (card.get("fidelity") or {}).get("lookup")
+    return PathFidelity.from_record("translated", record, recorded_in=str(Path(folder).name),
+                                    method=str(card.get("method", "")))
+
+
+def translated_repair_fidelities(card: dict[str, Any], folder: str | Path) -> list[PathFidelity]:
+    """The translated+repair records of a mapper card (``fidelity.lookup_repair``), cheapest first."""
+    slot = (card.get("fidelity") or {}).get("lookup_repair")
+    return _repair_candidates("translated+repair", slot, str(Path(folder).name), str(card.get("method", "")))

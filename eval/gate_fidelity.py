@@ -15,6 +15,10 @@ chunk caches (the native path) and the store's chunks through ``auto``'s mapper
   retention found(native) / found(direct);
 - ``fidelity.lookup`` in the card of the mapper ``auto`` picks for each pair.
 
+With ``--repair`` it measures the ``+repair`` paths at one recompute setting and adds that
+record beside the ones measured at other settings (a record at the same setting is replaced):
+the gate serves the cheapest setting that passes.
+
 Beside the lookups it measures the same paths on calibration needles whose answers must be
 copied exactly (``--copy-n``, codes and invented names in the essays the translation lab holds
 out), recorded under ``copy``: `cag.gate` refuses a path that passes on lookups and garbles those.
@@ -33,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cag.gate import native_lookup_path  # noqa: E402
+from cag.gate import native_lookup_path, repair_records, with_repair_record  # noqa: E402
 from cag.mapping import MapperNotFoundError, available_mappers, resolve_mapper  # noqa: E402
 from cag.models import registry  # noqa: E402
 from eval.calibration_lookup import DATASET, calibration_lookup  # noqa: E402
@@ -142,11 +146,15 @@ def main(argv=None) -> int:
             mine_copy = [r for r in copy_rows if r["target"] == target]
             lm = registry.load(target, "auto")
             section = "repair" if repair else "models"
-            if target == source or lm.fingerprint.id not in native.setdefault(section, {}):
+            native.setdefault(section, {})
+            if target == source or repair or lm.fingerprint.id not in native[section]:
                 rec = with_copy(path_record(mine, "native_cache", items_name), mine_copy, "native_cache", copy_name)
-                if repair:
+                if repair:  # one record per setting measured: the gate serves the cheapest that passes
                     rec["repair"] = repair
-                native[section][lm.fingerprint.id] = {"name": target, **rec}
+                    native[section][lm.fingerprint.id] = with_repair_record(
+                        native[section].get(lm.fingerprint.id), {"name": target, **rec})
+                else:
+                    native[section][lm.fingerprint.id] = {"name": target, **rec}
                 report.append({"source": target, "target": target, "path": "native" + ("+repair" if repair else ""),
                                **rec})
             if target == source:
@@ -169,12 +177,22 @@ def main(argv=None) -> int:
                     if (card["source"].get("name"), card["target"].get("name"), card.get("method")) == \
                             (source, target, mapper.method) and not args.no_write:
                         card = Mapper.read_card(folder)
-                        card.setdefault("fidelity", {})["lookup_repair" if repair else "lookup"] = rec
+                        fidelity = card.setdefault("fidelity", {})
+                        if repair:
+                            fidelity["lookup_repair"] = with_repair_record(fidelity.get("lookup_repair"), rec)
+                        else:
+                            fidelity["lookup"] = rec
                         write_card(folder, card)
     if not args.no_write:  # merged into the file as it is now: another run may have written it meanwhile
         current = json.loads(native_path.read_text()) if native_path.is_file() else {}
         for section, records in native.items():
-            current.setdefault(section, {}).update(records)
+            if section != "repair":
+                current.setdefault(section, {}).update(records)
+                continue
+            for model_id, slot in records.items():  # per setting, so another run's settings are kept
+                for rec in repair_records(slot):
+                    current.setdefault(section, {})[model_id] = with_repair_record(
+                        current[section].get(model_id), rec)
         native_path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
     name = f"gate-{tag}" if args.repair else "gate"
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")

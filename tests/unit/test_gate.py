@@ -69,8 +69,55 @@ def test_repair_path_is_next_and_carries_its_setting():
     assert [p for p, _ in decision.rejected] == ["translated"]
     record = {"found_retention": 0.8, "found_rate": 0.6, "no_context_found_rate": 0.1, "n": 9,
               "repair": {"ratio": 0.2, "select": "source"}}
-    card = {"method": "heterofold", "fidelity": {"lookup_repair": record}}
-    assert gate.translated_fidelity(card, "x", repair=True).repair == {"ratio": 0.2, "select": "source"}
+    card = {"method": "heterofold", "fidelity": {"lookup_repair": record}}  # one record, as older cards hold
+    [read] = gate.translated_repair_fidelities(card, "x")
+    assert read.repair == {"ratio": 0.2, "select": "source"} and read.method == "heterofold"
+    [unmeasured] = gate.translated_repair_fidelities({"method": "heterofold"}, "x")
+    assert unmeasured.path == "translated+repair" and not unmeasured.measured
+
+
+def record(found, ratio, select, scale=None, n=30):
+    repair = {"ratio": ratio, "select": select, **({"translated_key_scale": scale} if scale else {})}
+    return {"found_retention": found / 0.8, "found_rate": found, "direct_found_rate": 0.8,
+            "no_context_found_rate": 0.0, "n": n, "repair": repair}
+
+
+def test_several_repair_settings_the_cheapest_that_passes_is_served():
+    slot = [record(0.64, 0.2, "retriever", 0.4), record(0.6, 0.15, "source_retriever", 0.5),
+            record(0.4, 0.1, "retriever", 0.4), record(0.66, 0.15, "source", 0.5)]
+    card = {"method": "bottleneck", "fidelity": {"lookup": record(0.1, 0, "none"), "lookup_repair": slot}}
+    repairs = gate.translated_repair_fidelities(card, "x")
+    # cheapest first: by the share recomputed, then by what the choice costs (retriever's vectors are free)
+    assert [(f.repair["ratio"], f.repair["select"]) for f in repairs] == \
+        [(0.1, "retriever"), (0.15, "source_retriever"), (0.15, "source"), (0.2, "retriever")]
+    decision = choose_path([gate.translated_fidelity(card, "x"), *repairs], 0.6, "direct")
+    assert decision.path == "translated+repair"
+    assert gate.served_repair(decision) == {"ratio": 0.15, "select": "source_retriever", "translated_key_scale": 0.5}
+    # the rejected 10% setting says which setting it was
+    assert "retriever 10%, translated keys ×0.4" in decision.rejected[1][1]
+    # a stricter gate moves on to the next setting that passes, not to direct context
+    stricter = choose_path(repairs, 0.8, "direct")
+    assert stricter.fidelity.repair == {"ratio": 0.15, "select": "source", "translated_key_scale": 0.5}
+
+
+def test_a_repair_record_replaces_only_its_own_setting():
+    first, other = record(0.5, 0.2, "retriever", 0.4), record(0.6, 0.15, "source_retriever", 0.5)
+    slot = gate.with_repair_record(first, other)  # an older card's single record is kept beside the new one
+    assert slot == [first, other]
+    again = record(0.62, 0.2, "retriever", 0.4)
+    assert gate.with_repair_record(slot, again) == [other, again]  # same setting: the new measurement wins
+    unscaled = record(0.3, 0.2, "retriever")
+    assert len(gate.with_repair_record(slot, unscaled)) == 3  # another key scale is another setting
+    assert gate.repair_records("not a record") == [] and gate.repair_records([first, 3]) == [first]
+
+
+def test_native_repair_records_from_the_native_file(tmp_path, monkeypatch):
+    native_file = tmp_path / "native_lookup.json"
+    native_file.write_text(json.dumps({"repair": {"abc": [record(0.7, 0.2, "retriever"), record(0.7, 0.1, "first_k")]}}))
+    monkeypatch.setattr(gate, "native_lookup_path", lambda: native_file)
+    assert [f.repair["select"] for f in gate.native_repair_fidelities("abc")] == ["first_k", "retriever"]
+    [unmeasured] = gate.native_repair_fidelities("other")
+    assert unmeasured.path == "native+repair" and not unmeasured.measured
 
 
 def test_a_repair_record_speaks_only_for_its_own_settings_key_scale_included():

@@ -182,8 +182,20 @@ def test_a_gated_repair_path_is_served_as_it_was_measured(kb, tmp_path):
     card = Mapper.read_card(mapper)
     passing = {"found_retention": 0.9, "found_rate": 0.45, "direct_found_rate": 0.5, "no_context_found_rate": 0.1,
                "n": 30, "items": "unit", "repair": {"ratio": 0.25, "select": "first_k"}}
-    card.setdefault("fidelity", {})["lookup_repair"] = passing  # no plain "lookup" record: that path fails
+    cheaper = {**passing, "found_retention": 0.2, "found_rate": 0.11, "repair": {"ratio": 0.1, "select": "first_k"}}
+    # no plain "lookup" record: that path fails; the cheaper repair setting fails too, so the 25% one serves
+    card.setdefault("fidelity", {})["lookup_repair"] = [passing, cheaper]
     write_card(mapper, card)
+    from cag.context import CachedContext
+
+    chosen = CachedContext(store=root / "store", target=str(large), mapper=str(mapper), embedder=HashEmbedder(),
+                           dtype="float32", min_retention=0.6).decision
+    assert chosen.path == "translated+repair" and chosen.fidelity.repair == passing["repair"]
+    assert "first_k 10%" in chosen.rejected[-1][1]
+    # a caller who fixes the setting is judged on that setting's record alone
+    fixed = CachedContext(store=root / "store", target=str(large), mapper=str(mapper), embedder=HashEmbedder(),
+                          dtype="float32", min_retention=0.6, recompute_ratio=0.1, recompute_select="first_k")
+    assert fixed.decision.path == "direct"
     router = Router(store=root / "store", small=str(small), large=str(large), mapper=str(mapper),
                     embedder=HashEmbedder(), dtype="float32", max_new_tokens=6, top_k=3, min_retention=0.6,
                     policy=RouterPolicy(threshold=math.inf))
