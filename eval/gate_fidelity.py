@@ -147,7 +147,14 @@ def main(argv=None) -> int:
             lm = registry.load(target, "auto")
             section = "repair" if repair else "models"
             native.setdefault(section, {})
-            if target == source or repair or lm.fingerprint.id not in native[section]:
+            # A source-guided choice over the target's own chunks was made here by this store's source
+            # model; a store the target builds itself is guided by the target, which this run did not
+            # measure. So such a record would speak for a configuration that is never served.
+            borrowed_guide = repair and target != source and args.repair_select.startswith("source")
+            if borrowed_guide:
+                print(f"gate_fidelity: no native+repair record for {target}: {args.repair_select} was guided by "
+                      f"{source} here, by {target} in its own store", file=sys.stderr)
+            elif target == source or repair or lm.fingerprint.id not in native[section]:
                 rec = with_copy(path_record(mine, "native_cache", items_name), mine_copy, "native_cache", copy_name)
                 if repair:  # one record per setting measured: the gate serves the cheapest that passes
                     rec["repair"] = repair
