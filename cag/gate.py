@@ -101,9 +101,7 @@ class PathFidelity:
 
     def repair_matches(self, ratio: float, select: str, translated_key_scale: float = 1.0) -> bool:
         """Whether this +repair record was measured with these settings."""
-        rec = self.repair or {}
-        return (rec.get("ratio"), rec.get("select"), float(rec.get("translated_key_scale", 1.0))) == \
-            (ratio, select, float(translated_key_scale))
+        return _repair_key({"repair": self.repair}) == (ratio, select, float(translated_key_scale))
 
     @property
     def label(self) -> str:

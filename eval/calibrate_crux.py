@@ -33,7 +33,7 @@ from cag.context import CachedContext  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from eval import metrics  # noqa: E402
 from eval.harness import host_info, host_line  # noqa: E402
-from eval.repair_ablation import load_items  # noqa: E402
+from eval.calibration_lookup import calibration_lookup  # noqa: E402
 from eval.run import build_eval_store  # noqa: E402
 
 ALPHAS = (1.0, 0.85, 0.7, 0.6, 0.5, 0.4, 0.3)
@@ -88,14 +88,10 @@ def main(argv=None) -> int:
 
     if args.seed in (0, 1, 3):
         ap.error("seeds 0, 1 and 3 calibrate the gate, APE and the rank decay, and the source model's heads")
-    if args.seed == 2:
-        items = load_items("calib-lookup", args.limit)
-        store = args.store_root / f"calib-lookup-{args.source}"
-    else:
-        from eval.calibration_lookup import calibration_lookup
-
-        items = calibration_lookup(seed=args.seed)[: args.limit]
-        store = args.store_root / f"calib-lookup-seed{args.seed}-{args.source}"
+    items = calibration_lookup(seed=args.seed)[: args.limit]
+    # seed 2's store keeps the name it has always had, so existing stores are reused
+    store = args.store_root / (f"calib-lookup-{args.source}" if args.seed == 2
+                               else f"calib-lookup-seed{args.seed}-{args.source}")
     build_eval_store(items, store, args.source, chunk_tokens=256)
     result = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "host": host_info(), "items": f"calib-lookup seed {args.seed}", "ratio": args.ratio,
