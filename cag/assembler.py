@@ -74,10 +74,12 @@ class Assembler:
         self._lock = threading.Lock()
         # Forwards on one model are serialised: the recompute installs a hook on it.
         self.model_lock = threading.RLock()
-        # Recomputed tokens attend in blocks of this many, each over the keys it can see
-        # (`cag.models.attention.blocked_recompute`). The 4K crux's forward (819 tokens into
-        # Qwen2.5, eval/bench_recompute_blocks.py): 6.29 s dense, 5.97 s in blocks of 128, 5.81 s of 256.
-        self.recompute_block = 256
+        # Recomputed tokens attend in blocks of this many, each over the positions it can see
+        # (`cag.models.attention.blocked_recompute`). The 4K crux's forward (819 tokens into Qwen2.5,
+        # eval/bench_recompute_blocks.py, 2026-12-05): 6.31 s dense, 5.45 / 6.01 / 5.58 / 5.51 s in
+        # blocks of 32 / 64 / 128 / 256, within this host's noise of each other; against the gather
+        # per block it replaced, 5.72 s in blocks of 64 against 6.03 s (8 interleaved repeats).
+        self.recompute_block = 64
 
     # ------------------------------------------------------------------ parts
 
@@ -283,12 +285,10 @@ class Assembler:
         for i in range(self.target.adapter.num_layers):
             cache.update(keys[i][:, kept][None], values[i][:, kept][None], i)
         with blocked_recompute(self.target.model, kept, chosen, self.recompute_block):  # skips hidden scores
-            self.target.model.model(
-                input_ids=context_ids[chosen][None].to(self.target.device),
+            self.target.forward_for_cache(  # the K/V only: no last MLP, no head
+                cache, input_ids=context_ids[chosen][None].to(self.target.device),
                 position_ids=chosen[None].to(self.target.device),
-                attention_mask=self._recompute_masks(kept, chosen),
-                past_key_values=cache, use_cache=True,
-            )
+                attention_mask=self._recompute_masks(kept, chosen))
         order = torch.argsort(torch.cat([kept, chosen]))
         new_keys = torch.stack([layer.keys[0][:, order] for layer in cache.layers])
         new_values = torch.stack([layer.values[0][:, order] for layer in cache.layers])

@@ -515,8 +515,6 @@ class CachedContext(BaseModel):
 
     def _stream_direct(self, question, hits, max_new_tokens, decision: GateDecision):
         """The gate's fallback: the target prefills the retrieved text, streamed as it decodes."""
-        from transformers import DynamicCache
-
         from cag.generate import stream_tokens, stop_token_ids
 
         warnings.warn(decision.reason, stacklevel=4)
@@ -529,9 +527,9 @@ class CachedContext(BaseModel):
         answer = Answer("", hits, timings, context_tokens=sum(c.numel() for c in context_ids),
                         warnings=[decision.reason], condition="direct", path="direct", gate=decision.to_dict())
         self._last_answer = answer
-        ids = asm.direct_ids(context_ids, question)
         with asm.model_lock:
-            steps = stream_tokens(lm.model, lm.tokenizer, DynamicCache(config=lm.model.config), ids,
+            cache, answer.timings.assemble = self._direct_cache(lm, asm, context_ids)
+            steps = stream_tokens(lm.model, lm.tokenizer, cache, asm.question_ids(question),
                                   max_new_tokens=max_new_tokens or self.max_new_tokens,
                                   stop_ids=stop_token_ids(lm.tokenizer))
             yield from _timed(steps, answer, t0)
@@ -764,6 +762,22 @@ class CachedContext(BaseModel):
         """The comparison: the target prefills the retrieved text itself (direct context)."""
         return self._answer_from_text(question, hits, max_new_tokens, with_context=True)
 
+    @staticmethod
+    def _direct_cache(lm, asm, context_ids: list[Any]):
+        """Direct context's cache of the prompt head and the text, and the seconds its prefill took.
+
+        The text's K/V come first, from a forward that skips the LM head and the last MLP (what a
+        cached path's recompute skips too), then the question reads them, as the eval harness's
+        direct context runs; with no text, the cache is empty and the question is the prompt."""
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=lm.model.config)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            lm.forward_for_cache(cache, input_ids=torch.cat([asm.prefix_ids, *context_ids])[None].to(lm.device))
+        return cache, time.perf_counter() - started
+
     def answer_without_context(self, question: str, *, max_new_tokens: int | None = None) -> Answer:
         return self._answer_from_text(question, [], max_new_tokens, with_context=False)
 
@@ -776,7 +790,6 @@ class CachedContext(BaseModel):
 
     def _answer_from_text(self, question, hits, max_new_tokens, *, with_context: bool) -> Answer:
         import torch
-        from transformers import DynamicCache
 
         from cag.generate import generate, stop_token_ids
 
@@ -786,14 +799,14 @@ class CachedContext(BaseModel):
         lm, asm = self._ready_target()
         hits = self._order(hits) if with_context else []
         context_ids = [lm.tokenize(h.text)[0] for h in hits]
-        ids = asm.direct_ids(context_ids, question)
         with asm.model_lock, torch.inference_mode():
-            cache = DynamicCache(config=lm.model.config)
-            gen = generate(lm.model, lm.tokenizer, cache, ids, max_new_tokens=max_new_tokens or self.max_new_tokens,
-                           stop_ids=stop_token_ids(lm.tokenizer))
+            cache, context_s = self._direct_cache(lm, asm, context_ids)
+            gen = generate(lm.model, lm.tokenizer, cache, asm.question_ids(question),
+                           max_new_tokens=max_new_tokens or self.max_new_tokens, stop_ids=stop_token_ids(lm.tokenizer))
         end = time.perf_counter()
+        timings.assemble = context_s  # the prefill of the text: direct context's set-up
         timings.question_prefill = gen.question_prefill_s
-        timings.first_token = timings.retrieve + gen.question_prefill_s
+        timings.first_token = timings.retrieve + context_s + gen.question_prefill_s
         timings.decode, timings.total = gen.decode_s, end - t0
         return Answer(gen.text, hits, timings, context_tokens=sum(c.numel() for c in context_ids),
                       condition="direct" if with_context else "no_context", mapper="",

@@ -588,7 +588,7 @@ class Router(BaseModel):
         t = time.perf_counter()
         with asm.model_lock, torch.inference_mode():
             cache = DynamicCache(config=lm.model.config)
-            lm.model.model(input_ids=ids[None].to(lm.device), past_key_values=cache, use_cache=True)
+            lm.forward_for_cache(cache, input_ids=ids[None].to(lm.device))  # K/V only: the question comes later
         setup.assemble = time.perf_counter() - t  # the prefill of the text: the direct path's set-up
         template = Answer("", ordered, setup, context_tokens=ids.numel() - asm.prefix_ids.numel(),
                           warnings=[decision.reason], condition="direct", path="direct", gate=decision.to_dict())

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="bottleneck")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--ratio", type=float, default=0.2)
-    ap.add_argument("--blocks", type=int, nargs="+", default=[DENSE, 128, 256])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[DENSE, 32, 64, 128, 256])
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "crux_ttft_blocked")
     args = ap.parse_args(argv)

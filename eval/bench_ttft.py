@@ -92,7 +92,7 @@ def place_context(lm, asm, context_ids: list[torch.Tensor]) -> DynamicCache:
     would leave it just before the question: the state the floor starts from."""
     cache = DynamicCache(config=lm.model.config)
     ids = torch.cat([asm.prefix_ids, *context_ids]).to(lm.device)
-    lm.model.model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+    lm.forward_for_cache(cache, input_ids=ids[None])
     return cache
 
 
@@ -307,7 +307,23 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def cag_bench_command(args: argparse.Namespace) -> str:
+    """The `cag bench` command line that reruns `args`, as that CLI takes it: a list option's
+    flag once per value (``--lengths 4096 --lengths 8192``), not this script's ``nargs``."""
+    parts = ["cag bench", "--source", args.source, "--repeats", str(args.repeats), "--out", str(args.out)]
+    for flag, values in (("--targets", args.targets), ("--lengths", args.lengths), ("--methods", args.methods)):
+        for value in values:
+            parts += [flag, str(value)]
+    if args.crux is not None:
+        parts += ["--crux", str(args.crux), "--crux-select", args.crux_select]
+        for ratio in ([] if args.crux_ratio == [1e-3] else args.crux_ratio):  # 1e-3: `cag bench`'s "one chunk"
+            parts += ["--crux-ratio", str(ratio)]
+    if args.stored:
+        parts.append("--stored")
+    return " ".join(parts)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="smollm2-135m")
     parser.add_argument("--targets", nargs="+", default=["qwen2.5-0.5b", "gemma3-270m"])
@@ -328,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(`cag store translate`; README, 'Stored translations')")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     started = time.time()
     rounds = len(args.targets) * len(args.lengths) * (args.repeats + 1)
     # stderr: with --json, stdout carries the report and nothing else
@@ -337,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_bench(source=args.source, targets=args.targets, lengths=args.lengths, methods=args.methods,
                            repeats=args.repeats, work_dir=Path(tmp), progress=bar, crux_key_scale=args.crux,
                            crux_select=args.crux_select, crux_ratios=args.crux_ratio, stored=args.stored)
-    report["run"] = {"command": "cag bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report["run"] = {"command": cag_bench_command(args),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.platform()}, "
                      f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": torch.get_num_threads(),
                      "source": args.source, "repeats": args.repeats, "wall_s": round(time.time() - started, 1),

@@ -167,7 +167,7 @@ class ItemRunner:
         ids = torch.cat([asm.prefix_ids, *context])
         cache = DynamicCache(config=lm.model.config)
         with torch.inference_mode():  # the base model: the context needs no logits
-            lm.model.model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+            lm.forward_for_cache(cache, input_ids=ids[None])
         return _Run(cache, asm.question_ids(item.question), sum(c.numel() for c in context),
                     time.perf_counter() - started, [])
 

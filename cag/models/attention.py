@@ -151,45 +151,55 @@ def context_temperature(model, start: int, end: int, temperature: float = 1.0, s
 
 
 @contextmanager
-def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: int = 256):
+def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: int = 64):
     """A selective recompute's forward, with each block of queries attending only to keys it can see.
 
     The recompute forward runs the `chosen` context positions (sorted) over a cache laid out
-    ``[kept tokens | chosen tokens]`` (both sorted by position) with an additive mask that
-    hides every key placed after a query. Dense attention still computes those hidden
-    scores: on average half of them. Here the queries go in blocks of `block`, by position,
-    and each block attends over the kept keys before its last query and the chosen keys up
-    to it, a prefix of each part; every key left out was masked for the whole block, so the
-    result is the dense one (softmax gave those keys exactly 0) with about half the scores.
-    On a 2-core CPU that saves less than the scores suggest (about 8% of the 4K crux's forward:
-    the linear layers dominate, and smaller calls run less efficiently).
+    ``[kept tokens | chosen tokens]`` (both sorted by position; together every position once)
+    with an additive mask that hides every key placed after a query. Dense attention still
+    computes those hidden scores: on average half of them. Here the queries go in blocks of
+    `block`, by position, and each block attends over the positions up to its last query only
+    (in a sliding-window layer, from the oldest its first query's window reaches): every key
+    left out was masked for the whole block, so the result is the dense one (softmax gave
+    those keys exactly 0), at about ``1 + block / (2 · mean position)`` of the exact causal
+    count of scores instead of twice it.
 
-    In a sliding-window layer a block also leaves out every key older than the window of its
-    first query (masked for the whole block too): Gemma-3's sliding layers, 15 of 18, then attend
-    over a window's worth of keys instead of the whole context.
+    Per layer the wrapper puts the keys and values in position order once (one gather); a
+    block's keys are then a slice of them, not a copy, and its mask, by position, is built
+    once per block and layer kind and shared by every layer. That keeps small blocks cheap:
+    with a gather of its own per block and layer, blocks below 256 queries cost more in
+    copies than they saved in scores (`eval/bench_recompute_blocks.py`).
 
     Only a forward whose shapes are the recompute's is blocked; any other passes through.
     Under sdpa each block calls torch's kernel itself with ``enable_gqa``: transformers
     copies every key/value head once per query head whenever a mask is given (Qwen2.5: 7×).
     """
     n_kept, n_chosen = kept.numel(), chosen.numel()
+    layout = torch.cat([kept, chosen])
+    if not torch.equal(torch.sort(layout).values, torch.arange(layout.numel())):
+        raise ValueError("kept and chosen positions must together cover 0..n-1 once each")
+    by_position = torch.argsort(layout)  # the cache index holding each position
     own_kernel = getattr(model.config, "_attn_implementation", None) == "sdpa"
-    # Per block of queries (rows r0..r1 of the chosen): the cache columns it may see, once per
-    # layer kind: the kept keys before its last query, then the chosen keys up to it (in a sliding
-    # layer, only those from the oldest key its first query's window reaches).
     blocks = [(r0, min(r0 + block, n_chosen)) for r0 in range(0, n_chosen, block)]
-    columns: dict[int | None, list[torch.Tensor]] = {}
+    spans: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
 
-    def columns_for(window: int | None) -> list[torch.Tensor]:
-        if window not in columns:
+    def spans_for(window: int | None, dtype: torch.dtype, device) -> list[tuple[int, int, torch.Tensor]]:
+        """Per block: the positions ``lo..hi-1`` its keys cover and its additive mask over them."""
+        key = (window, dtype, str(device))
+        if key not in spans:
             out = []
             for r0, r1 in blocks:
-                seen_kept = int(torch.searchsorted(kept, chosen[r1 - 1]))
-                oldest = int(chosen[r0]) - window + 1 if window else 0  # older keys: outside every query's window
-                k0, c0 = int(torch.searchsorted(kept, oldest)), int(torch.searchsorted(chosen, oldest))
-                out.append(torch.cat([torch.arange(k0, seen_kept), torch.arange(n_kept + c0, n_kept + r1)]))
-            columns[window] = out
-        return columns[window]
+                q_pos = chosen[r0:r1, None]
+                lo = max(0, int(chosen[r0]) - window + 1) if window else 0
+                hi = int(chosen[r1 - 1]) + 1
+                k_pos = torch.arange(lo, hi)[None, :]
+                allowed = k_pos <= q_pos
+                if window:
+                    allowed &= (q_pos - k_pos) < window
+                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+                out.append((lo, hi, mask[None, None].to(device)))
+            spans[key] = out
+        return spans[key]
 
     def wrap(original):
         def wrapper(module, query, key, value, attention_mask, **kwargs):
@@ -197,11 +207,12 @@ def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: in
                     or attention_mask is None or attention_mask.dim() != 4):
                 return original(module, query, key, value, attention_mask, **kwargs)
             plain = own_kernel and kwargs.get("softcap") is None and getattr(module, "sinks", None) is None
+            order = by_position.to(key.device)
+            key, value = key.index_select(2, order), value.index_select(2, order)
             outputs = []
-            for (r0, r1), cols in zip(blocks, columns_for(kwargs.get("sliding_window"))):
-                cols = cols.to(key.device)
-                q, k, v = query[:, :, r0:r1], key.index_select(2, cols), value.index_select(2, cols)
-                mask = attention_mask[:, :, r0:r1].index_select(3, cols)
+            for (r0, r1), (lo, hi, mask) in zip(blocks, spans_for(kwargs.get("sliding_window"),
+                                                                 query.dtype, query.device)):
+                q, k, v = query[:, :, r0:r1], key[:, :, lo:hi], value[:, :, lo:hi]
                 if plain:
                     out = torch.nn.functional.scaled_dot_product_attention(
                         q, k, v, attn_mask=mask, scale=kwargs.get("scaling"),

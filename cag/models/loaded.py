@@ -132,9 +132,9 @@ class LoadedModel:
         for i, r in enumerate(rows):
             batch[i, : r.numel()] = r
             mask[i, : r.numel()] = 1
-        out = self.model(input_ids=batch.to(self.device), attention_mask=mask.to(self.device),
-                         past_key_values=DynamicCache(), use_cache=True)
-        layers = out.past_key_values.layers
+        cache = DynamicCache()
+        self.forward_for_cache(cache, input_ids=batch.to(self.device), attention_mask=mask.to(self.device))
+        layers = cache.layers
         all_keys = torch.stack([layer.keys for layer in layers], dim=1)  # [batch, layers, heads, tokens, dim]
         all_values = torch.stack([layer.values for layer in layers], dim=1)
         n_sink = sink.numel()
@@ -160,9 +160,9 @@ class LoadedModel:
         # A config-less DynamicCache keeps every token in every layer: the model
         # still masks its sliding layers by the window, but nothing is evicted
         # from the cache, so a chunk longer than the window is stored whole.
-        out = self.model(input_ids=full[None].to(self.device), past_key_values=DynamicCache(),
-                         use_cache=True)
-        keys, values = self.adapter.cache_tensors(out.past_key_values)
+        cache = DynamicCache()
+        self.forward_for_cache(cache, input_ids=full[None].to(self.device))
+        keys, values = self.adapter.cache_tensors(cache)
         if offsets is None:
             offsets = torch.zeros(ids.numel(), 2, dtype=torch.long)
         return self._chunk_from_states(keys, values, len(sink), ids.to(torch.long), offsets, text_hash,
@@ -182,8 +182,9 @@ class LoadedModel:
     def first_layers_cache(self, ids: torch.Tensor, num_layers: int) -> DynamicCache:
         """The model's own cache of `ids` (no sink added) for layers ``0..num_layers-1`` only.
 
-        The forward is cut after layer ``num_layers - 1`` by a hook, so it costs
-        about ``num_layers / L`` of a prefill. Every token is kept in every layer.
+        The forward is cut once layer ``num_layers - 1`` has written its keys and values
+        (`forward_first_layers`), so it costs about ``num_layers / L`` of a prefill. Every
+        token is kept in every layer.
         """
         cache = DynamicCache()
         self.forward_first_layers(num_layers, input_ids=ids[None].to(self.device), past_key_values=cache,
@@ -191,24 +192,45 @@ class LoadedModel:
         return cache
 
     def forward_first_layers(self, num_layers: int, **forward_kwargs) -> None:
-        """Run the decoder over ``forward_kwargs`` through layers ``0..num_layers-1`` only.
+        """Run the decoder over ``forward_kwargs`` through layer ``num_layers-1``'s attention only.
 
         For callers that need what the first layers leave behind (their cache, their
-        captured attention), not an output: the forward is cut by a hook, so it costs
-        about ``num_layers / L`` of the full one."""
+        captured attention), not an output. The forward is cut by a hook just before
+        the MLP of layer ``num_layers-1``: by then that layer's keys and values are in
+        the cache and its attention has run, and nothing after it (its MLP, later
+        layers, the final norm, the LM head) feeds either. It costs about
+        ``num_layers / L`` of the full forward, less that last MLP."""
         if not 1 <= num_layers <= self.adapter.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.adapter.num_layers}], got {num_layers}")
 
-        def stop(module, args, output):
+        def stop(*_):
             raise _StopForward
 
-        handle = self.model.model.layers[num_layers - 1].register_forward_hook(stop)
+        layer = self.model.model.layers[num_layers - 1]
+        mlp = getattr(layer, "mlp", None)
+        # Every family this loads has an `mlp` called after attention; any other is cut after the layer.
+        handle = mlp.register_forward_pre_hook(stop) if mlp is not None else layer.register_forward_hook(stop)
         try:
             self.model.model(**forward_kwargs)
         except _StopForward:
             pass
         finally:
             handle.remove()
+
+    def forward_for_cache(self, cache: DynamicCache, **forward_kwargs) -> None:
+        """Run the decoder over ``forward_kwargs`` for the keys and values it writes into `cache`.
+
+        A forward whose only product is a cache (a chunk's prefill, a recompute) needs
+        no LM head, and its last layer's MLP feeds nothing a cache holds: both are
+        skipped (`forward_first_layers` over every layer). For a 256-token chunk that is
+        the head's logits over the whole vocabulary (more than the rest of the forward
+        for Gemma-3's 262k-token vocabulary) and one layer's MLP.
+        """
+        last = self.adapter.num_layers - 1
+        before = cache.get_seq_length(last)
+        self.forward_first_layers(self.adapter.num_layers, past_key_values=cache, use_cache=True, **forward_kwargs)
+        if cache.get_seq_length(last) <= before:  # a model that writes its cache after the MLP hook fired
+            raise RuntimeError(f"{self.name}: the cache-only forward stopped before the last layer wrote its K/V")
 
     # ---------------------------------------------------------- chunk → cache
 

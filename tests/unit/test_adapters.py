@@ -187,3 +187,28 @@ def test_batched_prefill_equals_one_by_one(tiny):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=0)
         torch.testing.assert_close(got.values, want.values, atol=1e-4, rtol=0)
         assert got.settings == want.settings
+
+
+def test_the_cache_only_forward_leaves_the_whole_forwards_cache(tiny):
+    """`forward_for_cache` skips the LM head and the last MLP; the cache it leaves is the full
+    forward's, layer by layer, and it runs no further than the last layer's attention."""
+    ids = tiny.tokenize(TEXT_A + TEXT_B)[0]
+    whole, cut = DynamicCache(), DynamicCache()
+    with torch.inference_mode():
+        tiny.model(input_ids=ids[None], past_key_values=whole, use_cache=True)
+        calls = []
+        handle = tiny.model.model.layers[-1].mlp.register_forward_hook(lambda *_: calls.append("mlp"))
+        head = tiny.model.lm_head.register_forward_hook(lambda *_: calls.append("head"))
+        try:
+            tiny.forward_for_cache(cut, input_ids=ids[None])
+        finally:
+            handle.remove()
+            head.remove()
+    assert calls == []
+    assert len(cut.layers) == len(whole.layers) == tiny.adapter.num_layers
+    for a, b in zip(whole.layers, cut.layers):
+        torch.testing.assert_close(b.keys, a.keys, atol=0, rtol=0)
+        torch.testing.assert_close(b.values, a.values, atol=0, rtol=0)
+    # and the chunk prefill that uses it still stores the model's own states
+    chunk = tiny.prefill(TEXT_A)
+    assert chunk.keys.shape[2] == chunk.num_tokens == tiny.tokenize(TEXT_A)[0].numel()
