@@ -97,6 +97,16 @@ class Assembler:
         ids, _ = self.target.tokenize(self.layout.tail(question))
         return ids
 
+    @torch.inference_mode()
+    def direct_cache(self, chunk_token_ids: Sequence[torch.Tensor]) -> DynamicCache:
+        """The target's own cache of the prompt head and the text, as direct context leaves it
+        before the question: one cache-only forward (no LM head, no last MLP, what a cached
+        path's recompute skips too). The caller holds `model_lock`."""
+        cache = DynamicCache(config=self.target.model.config)
+        ids = torch.cat([self.prefix_ids, *chunk_token_ids])
+        self.target.forward_for_cache(cache, input_ids=ids[None].to(self.target.device))
+        return cache
+
     def direct_ids(self, chunk_token_ids: Sequence[torch.Tensor], question: str) -> torch.Tensor:
         """The ids direct context prefills: the same head, context tokens and question."""
         return torch.cat([self.prefix_ids, *chunk_token_ids, self.question_ids(question)])

@@ -528,7 +528,9 @@ class CachedContext(BaseModel):
                         warnings=[decision.reason], condition="direct", path="direct", gate=decision.to_dict())
         self._last_answer = answer
         with asm.model_lock:
-            cache, answer.timings.assemble = self._direct_cache(lm, asm, context_ids)
+            started = time.perf_counter()
+            cache = asm.direct_cache(context_ids)  # the text's K/V first, then the question reads them
+            answer.timings.assemble = time.perf_counter() - started
             steps = stream_tokens(lm.model, lm.tokenizer, cache, asm.question_ids(question),
                                   max_new_tokens=max_new_tokens or self.max_new_tokens,
                                   stop_ids=stop_token_ids(lm.tokenizer))
@@ -762,22 +764,6 @@ class CachedContext(BaseModel):
         """The comparison: the target prefills the retrieved text itself (direct context)."""
         return self._answer_from_text(question, hits, max_new_tokens, with_context=True)
 
-    @staticmethod
-    def _direct_cache(lm, asm, context_ids: list[Any]):
-        """Direct context's cache of the prompt head and the text, and the seconds its prefill took.
-
-        The text's K/V come first, from a forward that skips the LM head and the last MLP (what a
-        cached path's recompute skips too), then the question reads them, as the eval harness's
-        direct context runs; with no text, the cache is empty and the question is the prompt."""
-        import torch
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=lm.model.config)
-        started = time.perf_counter()
-        with torch.inference_mode():
-            lm.forward_for_cache(cache, input_ids=torch.cat([asm.prefix_ids, *context_ids])[None].to(lm.device))
-        return cache, time.perf_counter() - started
-
     def answer_without_context(self, question: str, *, max_new_tokens: int | None = None) -> Answer:
         return self._answer_from_text(question, [], max_new_tokens, with_context=False)
 
@@ -800,7 +786,9 @@ class CachedContext(BaseModel):
         hits = self._order(hits) if with_context else []
         context_ids = [lm.tokenize(h.text)[0] for h in hits]
         with asm.model_lock, torch.inference_mode():
-            cache, context_s = self._direct_cache(lm, asm, context_ids)
+            started = time.perf_counter()
+            cache = asm.direct_cache(context_ids)  # the text's K/V first, then the question reads them
+            context_s = time.perf_counter() - started
             gen = generate(lm.model, lm.tokenizer, cache, asm.question_ids(question),
                            max_new_tokens=max_new_tokens or self.max_new_tokens, stop_ids=stop_token_ids(lm.tokenizer))
         end = time.perf_counter()

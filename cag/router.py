@@ -567,9 +567,6 @@ class Router(BaseModel):
 
     def _place_large(self, question: str, hits: list[Any], max_new: int) -> _Placed:
         """The large model's context through its gate: translated chunks, or its own prefill of the text."""
-        import torch
-        from transformers import DynamicCache
-
         ctx = self.large_context
         decision = ctx.decision  # GateError here with fallback="raise" and nothing passing
         lm, asm = ctx.target_model, ctx.assembler
@@ -584,15 +581,15 @@ class Router(BaseModel):
         setup = Timings()
         ordered = ctx._order(hits)
         context_ids = [lm.tokenize(h.text)[0] for h in ordered]
-        ids = torch.cat([asm.prefix_ids, *context_ids])
+        n_context = sum(c.numel() for c in context_ids)
         t = time.perf_counter()
-        with asm.model_lock, torch.inference_mode():
-            cache = DynamicCache(config=lm.model.config)
-            lm.forward_for_cache(cache, input_ids=ids[None].to(lm.device))  # K/V only: the question comes later
+        with asm.model_lock:
+            cache = asm.direct_cache(context_ids)
         setup.assemble = time.perf_counter() - t  # the prefill of the text: the direct path's set-up
-        template = Answer("", ordered, setup, context_tokens=ids.numel() - asm.prefix_ids.numel(),
+        template = Answer("", ordered, setup, context_tokens=n_context,
                           warnings=[decision.reason], condition="direct", path="direct", gate=decision.to_dict())
-        return _Placed(cache, ids.numel(), template, ids.numel(), setup)
+        n = asm.prefix_ids.numel() + n_context
+        return _Placed(cache, n, template, n, setup)
 
     # -------------------------------------------------------- the LLM surface
 

@@ -87,16 +87,6 @@ def _measure(fn) -> float:
 
 
 @torch.inference_mode()
-def place_context(lm, asm, context_ids: list[torch.Tensor]) -> DynamicCache:
-    """The target's own cache of the prompt head and `context_ids`, as direct context
-    would leave it just before the question: the state the floor starts from."""
-    cache = DynamicCache(config=lm.model.config)
-    ids = torch.cat([asm.prefix_ids, *context_ids]).to(lm.device)
-    lm.forward_for_cache(cache, input_ids=ids[None])
-    return cache
-
-
-@torch.inference_mode()
 def floor_once(lm, placed: DynamicCache, question_ids: torch.Tensor) -> float:
     """Seconds from the question's ids to its first token against `placed` (left intact).
 
@@ -191,7 +181,7 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
             tokens: dict[str, int] = {}
             hits = {c: ctx.document_hits([doc_id]) for c, ctx in contexts.items()}
             # the floor's context: the very text direct context prefills, placed off the clock
-            placed = place_context(lm, asm, [lm.tokenize(h.text)[0] for h in hits["native_cache"]])
+            placed = asm.direct_cache([lm.tokenize(h.text)[0] for h in hits["native_cache"]])
             floors: list[float] = []
             for rep in range(repeats + 1):  # the first round warms up and is not counted
                 note(f"{target}, {n} tokens, " + (f"repeat {rep}/{repeats}" if rep else "warm-up"))

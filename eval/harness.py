@@ -164,10 +164,7 @@ class ItemRunner:
         lm, asm = self.lm, self.base.assembler
         started = time.perf_counter()
         context = [lm.tokenize(h.text)[0] for h in hits] if with_context else []
-        ids = torch.cat([asm.prefix_ids, *context])
-        cache = DynamicCache(config=lm.model.config)
-        with torch.inference_mode():  # the base model: the context needs no logits
-            lm.forward_for_cache(cache, input_ids=ids[None])
+        cache = asm.direct_cache(context)
         return _Run(cache, asm.question_ids(item.question), sum(c.numel() for c in context),
                     time.perf_counter() - started, [])
 
