@@ -2,6 +2,7 @@
 
     python eval/repair_ablation.py --dataset synthetic-kb --limit 50 --targets qwen2.5-0.5b
     python eval/repair_ablation.py --dataset essay-qa --targets qwen2.5-0.5b
+    python eval/repair_ablation.py --dataset needle --targets qwen2.5-0.5b   # 1K and 4K, 3 depths × 3
     python eval/repair_ablation.py --dataset calib-lookup --limit 50 --targets qwen2.5-0.5b   # choosing defaults
 
 For every question the text conditions (no context, direct context) are measured
@@ -40,7 +41,7 @@ from cag.context import CachedContext  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from eval import datasets as ds  # noqa: E402
 from eval import metrics  # noqa: E402
-from eval.harness import DIRECT, NATIVE, NO_CONTEXT, ItemRunner, host_line, host_info  # noqa: E402
+from eval.harness import DIRECT, NO_CONTEXT, ItemRunner, host_line, host_info  # noqa: E402
 from eval.run import build_eval_store  # noqa: E402
 
 # "question" (the target's question attention over the placed cache) is left out of the default
@@ -79,8 +80,15 @@ def parse_decay(value: str) -> float | None:
     return None if value == "default" else float(value)
 
 
-def load_items(dataset: str, limit: int | None):
-    if dataset == "synthetic-kb":  # 60 questions; the first 40 are `cag eval`'s
+def load_items(dataset: str, limit: int | None, args=None):
+    if dataset == "needle":
+        # Lengths counted in the first target's tokens, as `cag eval` counts them.
+        from cag.models import registry
+
+        tokenizer = registry.load(args.targets[0], "auto").tokenizer
+        items = ds.needle(lengths=tuple(args.needle_lengths), depths=tuple(args.needle_depths),
+                          repeats=args.needle_repeats, tokenizer=tokenizer)
+    elif dataset == "synthetic-kb":  # 60 questions; the first 40 are `cag eval`'s
         items = ds.synthetic_kb(n_questions=60)
     elif dataset == "calib-lookup":
         from eval.calibration_lookup import calibration_lookup
@@ -91,16 +99,32 @@ def load_items(dataset: str, limit: int | None):
     return items[:limit] if limit else items
 
 
-def _done(path: Path) -> set[tuple[str, str]]:
-    done = set()
+def _rows(path: Path) -> dict[tuple[str, str], dict]:
+    """The rows of ``results.jsonl`` by (question, target); a later row replaces an earlier one (a later
+    pass that adds settings rewrites its question's whole row)."""
+    rows = {}
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 row = json.loads(line)
             except ValueError:  # cut by an interruption: that question is redone
                 continue
-            done.add((row["item"], row["target"]))
-    return done
+            rows[(row["item"], row["target"])] = row
+    return rows
+
+
+def setting_order(setting: str) -> tuple:
+    """Sort key of a setting label: no repair, then by ratio (selectors in `SELECTORS` order), first-k last."""
+    base, _, decay = setting.partition(" γ=")
+    if base == "none":
+        rank = (0, 0.0, 0)
+    elif base.startswith("first_k"):
+        rank = (2, 0.0, 0)
+    else:
+        select, ratio = base.rsplit(" ", 1)
+        order = SELECTORS.index(select) if select in SELECTORS else len(SELECTORS)
+        rank = (1, float(ratio.rstrip("%")), order)
+    return (decay, *rank)
 
 
 def _holds(hits, answers) -> bool:
@@ -109,27 +133,52 @@ def _holds(hits, answers) -> bool:
     return ds.text_holds_answer(" ".join(h.text for h in hits), answers)
 
 
-def run(args) -> Path:
-    items = load_items(args.dataset, args.limit)
-    out = args.out / args.dataset
+def run(args) -> list[Path]:
+    return [run_dataset(args, dataset) for dataset in args.dataset]
+
+
+def run_dataset(args, dataset: str) -> Path:
+    """Measure every (question, target) of `dataset` at every setting of the grid it lacks.
+
+    A question already measured at some settings keeps them; the missing ones (a ratio added to
+    the grid later) are measured now, with direct context prefilled again in the same pass, so a
+    setting's speedup divides by a direct TTFT measured beside it (``direct_ttft_by_setting``)."""
+    items = load_items(dataset, args.limit, args)
+    out = args.out / dataset
     out.mkdir(parents=True, exist_ok=True)
-    store = args.store_root / f"{args.dataset}-{args.source}"
+    # Needle haystacks are cut to the first target's tokens: a store per first target.
+    tag = f"needle-{args.targets[0]}" if dataset == "needle" else dataset
+    store = args.store_root / f"{tag}-{args.source}"
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     log(f"repair_ablation: store {store} ({len(items)} questions)")
     build_eval_store(items, store, args.source, chunk_tokens=args.chunk_tokens)
     grid = settings(args.ratios, args.selectors, args.first_k)
     decays = [parse_decay(v) for v in args.rank_key_decays]
+    labels = {decay_label(label(*g), d): (d, g) for d in decays for g in grid}
     results_path = out / "results.jsonl"
-    done = _done(results_path)
-    meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "host": host_info(), "dataset": args.dataset, "n": len(items), "source": args.source,
-            "settings": [decay_label(label(*g), d) for d in decays for g in grid], "top_k": args.top_k,
+    rows = _rows(results_path)
+    this_run = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    old = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
+    history = old.get("history") or ([{"command": old["command"], "date": old["date"]}] if old else [])
+    meta = {**this_run, "history": [*history, this_run], "host": host_info(), "dataset": dataset,
+            "n": len(items), "source": args.source,
+            "settings": sorted(set(old.get("settings", [])) | set(labels), key=setting_order), "top_k": args.top_k,
             "translated_key_scale": args.translated_key_scale, "max_new_tokens": args.max_new_tokens}
+    for key in ("top_k", "translated_key_scale", "max_new_tokens"):
+        if key in old and old[key] != meta[key]:
+            raise SystemExit(f"{out} was measured with {key} = {old[key]}, this run asks {meta[key]}: "
+                             "pass another --out")
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
-    total = len(items) * len(args.targets)
-    with Progress("repair_ablation", total, unit="questions",
-                  completed=sum((i.id, t) in done for i in items for t in args.targets)) as bar:
+
+    def missing(item, target) -> list[str]:
+        have = rows.get((item.id, target), {}).get("settings", {})
+        return [lab for lab in labels if lab not in have]
+
+    todo = [(i, t) for t in args.targets for i in items if missing(i, t)]
+    with Progress("repair_ablation", len(todo), unit="questions") as bar:
         for target in args.targets:
+            if not any(t == target for _, t in todo):
+                continue
             common = dict(store=store, target=target, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                           translation_cache_mb=0, min_retention=0.0)
             base = CachedContext(mapper="identity", **common)
@@ -141,23 +190,37 @@ def run(args) -> Path:
             # What each path serves by default, read before the grid below sets γ on the contexts.
             served_decay = {"native": base.rank_decay(native=True), **{m: c.rank_decay() for m, c in contexts.items()}}
             for item in items:
-                if (item.id, target) in done:
+                todo_labels = missing(item, target)
+                if not todo_labels:
                     continue
-                row = {"item": item.id, "target": target, "meta": dict(item.meta), "answers": list(item.answers),
-                       "ape": {"native": base.ape_settings(native=True),
-                               **{m: c.ape_settings() for m, c in contexts.items()}},
-                       "rank_key_decay": served_decay,
-                       "settings": {}}
+                row = rows.get((item.id, target))
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     hits = runner.hits_for(item)
-                    text = runner.text_runs(item, hits)
-                    text[DIRECT_TOP1] = runner._text_run(item, hits[:1], with_context=True)
-                    # Was retrieval right? Whether an answer string lies in the top chunk, in any hit.
-                    row["answer_in"] = {"top_chunk": _holds(hits[:1], item.answers), "hits": _holds(hits, item.answers)}
-                    reference = runner.teacher_forced(text[DIRECT], runner.gold_ids(item.answers[0]))
-                    row["text"] = {k: v.to_dict() for k, v in runner.score(item, text, reference).items()}
-                    for decay, (select, ratio) in ((d, g) for d in decays for g in grid):
+                    if row is None:
+                        row = {"item": item.id, "target": target, "meta": dict(item.meta),
+                               "answers": list(item.answers),
+                               "ape": {"native": base.ape_settings(native=True),
+                                       **{m: c.ape_settings() for m, c in contexts.items()}},
+                               "rank_key_decay": served_decay, "settings": {}}
+                        text = runner.text_runs(item, hits)
+                        text[DIRECT_TOP1] = runner._text_run(item, hits[:1], with_context=True)
+                        # Was retrieval right? Whether an answer string lies in the top chunk, in any hit.
+                        row["answer_in"] = {"top_chunk": _holds(hits[:1], item.answers),
+                                            "hits": _holds(hits, item.answers)}
+                        reference = runner.teacher_forced(text[DIRECT], runner.gold_ids(item.answers[0]))
+                        row["text"] = {k: v.to_dict() for k, v in runner.score(item, text, reference).items()}
+                        direct = text[DIRECT]
+                    else:  # a later pass: only direct context again, for the reference and a TTFT beside
+                        if row.get("rank_key_decay") != served_decay or row.get("ape", {}).get("native") != \
+                                base.ape_settings(native=True):
+                            raise SystemExit(f"{item.id}: the served settings changed since this row was "
+                                             "measured; pass another --out")
+                        direct = runner._text_run(item, hits, with_context=True)
+                        reference = runner.teacher_forced(direct, runner.gold_ids(item.answers[0]))
+                    by_setting = row.setdefault("direct_ttft_by_setting", {})
+                    for lab in todo_labels:
+                        decay, (select, ratio) = labels[lab]
                         for ctx in (base, *contexts.values()):
                             ctx.rank_key_decay = decay
                             if select == "first_k":
@@ -167,13 +230,14 @@ def run(args) -> Path:
                                 ctx.recompute_select = "deviation" if select == "none" else select
                                 ctx.recompute_ratio = ratio
                         scored = runner.score(item, runner.cache_runs(item, hits), reference)
-                        row["settings"][decay_label(label(select, ratio), decay)] = \
-                            {k: v.to_dict() for k, v in scored.items()}
+                        row["settings"][lab] = {k: v.to_dict() for k, v in scored.items()}
+                        by_setting[lab] = direct.ttft_s
+                rows[(item.id, target)] = row
                 with open(results_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
-                bar.advance(note=f"{args.dataset}, {target}")
+                bar.advance(note=f"{dataset}, {target}")
     return out
 
 
@@ -182,26 +246,31 @@ def run(args) -> Path:
 
 def summarize(out: Path) -> dict:
     meta = json.loads((out / "run.json").read_text())
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows = list(_rows(out / "results.jsonl").values())
     table = []
     by_target: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         by_target[row["target"]].append(row)
     for target, group in sorted(by_target.items()):
         direct = [r["text"][DIRECT] for r in group]
-        dc_f1, dc_found = [d["f1"] for d in direct], [d["found"] for d in direct]
-        dc_ttft = float(np.median([d["ttft_s"] for d in direct]))
-        base_rows = [(NO_CONTEXT, "–", [r["text"][NO_CONTEXT] for r in group]), (DIRECT, "–", direct)]
+        base_rows = [(NO_CONTEXT, "–", group, [r["text"][NO_CONTEXT] for r in group]), (DIRECT, "–", group, direct)]
         if all(DIRECT_TOP1 in r["text"] for r in group):  # runs before 2026-12-03 lack it
-            base_rows.append((DIRECT_TOP1, "–", [r["text"][DIRECT_TOP1] for r in group]))
+            base_rows.append((DIRECT_TOP1, "–", group, [r["text"][DIRECT_TOP1] for r in group]))
         paths = sorted({c for r in group for s in r["settings"].values() for c in s})
         cells = list(base_rows)
         for setting in meta["settings"]:
+            measured = [r for r in group if setting in r["settings"]]  # a setting added later: its rows
             for cond in paths:
-                cells.append((cond, setting, [r["settings"][setting][cond] for r in group]))
-        for cond, setting, xs in cells:
-            f1 = metrics.retention([x["f1"] for x in xs], dc_f1)
-            found = metrics.retention([x["found"] for x in xs], dc_found)
+                cells.append((cond, setting, measured, [r["settings"][setting][cond] for r in measured]))
+        for cond, setting, rs, xs in cells:
+            if not xs:
+                continue
+            dc = [r["text"][DIRECT] for r in rs]
+            # Direct context's TTFT from the pass that measured this setting (a later pass prefills it again).
+            dc_ttft = float(np.median([r.get("direct_ttft_by_setting", {}).get(setting, r["text"][DIRECT]["ttft_s"])
+                                       for r in rs]))
+            f1 = metrics.retention([x["f1"] for x in xs], [d["f1"] for d in dc])
+            found = metrics.retention([x["found"] for x in xs], [d["found"] for d in dc])
             kls = [x["kl_from_direct"] for x in xs if x["kl_from_direct"] is not None]
             ttft = float(np.median([x["ttft_s"] for x in xs]))
             share = [x.get("recomputed_tokens", 0) / x["context_tokens"] for x in xs if x["context_tokens"]]
@@ -222,7 +291,9 @@ def summarize(out: Path) -> dict:
 def render(summary: dict) -> str:
     run, lines = summary["run"], []
     lines += [f"# Chunk repair ablation: {run['dataset']}", "",
-              f"Command: `{run['command']}`  ", f"Date: {run['date']}; {host_line(run['host'], {})}", "",
+              *[f"Command ({h['date']}): `{h['command']}`{' (' + h['note'] + ')' if h.get('note') else ''}  "
+                for h in run.get("history") or [run]],
+              host_line(run["host"], {}), "",
               f"{run['n']} questions, top-{run['top_k']} chunks of a store built by {run['source']}; every setting "
               "on the same chunks. Retention = metric / direct context's on the same questions, paired bootstrap "
               "95% interval. Recomputed = the share of context tokens the target recomputed (measured). "
@@ -286,9 +357,84 @@ def report(out: Path) -> None:
     print(render(summary))
 
 
+def grid_report(root: Path, datasets: list[str]) -> str:
+    """The whole grid in one table: a row per (path, setting), a column per (dataset, target); each cell
+    F1 retention and TTFT speedup against direct context on the same questions. Written to
+    ``<root>/README.md`` and ``grid.json``, with ``grid.png`` (retention against speedup, a panel per set)."""
+    summaries = {d: summarize(root / d) for d in datasets if (root / d / "results.jsonl").exists()}
+    columns = [(d, t) for d, sm in summaries.items() for t in sorted({e["target"] for e in sm["table"]})]
+    cells = {(d, e["target"], e["path"], e["setting"]): e for d, sm in summaries.items() for e in sm["table"]}
+    settings_seen = sorted({e["setting"] for sm in summaries.values() for e in sm["table"] if e["setting"] != "–"},
+                           key=setting_order)
+    paths = sorted({e["path"] for sm in summaries.values() for e in sm["table"]} - {NO_CONTEXT, DIRECT, DIRECT_TOP1})
+    row_keys = [(p, "–") for p in (NO_CONTEXT, DIRECT_TOP1)] + [(p, s) for p in paths for s in settings_seen]
+    lines = ["# Chunk repair: the whole grid", "",
+             "Each cell: F1 retention against direct context on the same questions (paired bootstrap 95% "
+             "interval in each set's `ablation.md`) · TTFT speedup against direct context measured in the "
+             "same pass. Rows: the path (the target's own chunk caches, or the store's source-model chunks "
+             "translated) and the repair (the share of context tokens recomputed, chosen by the selector). "
+             "A blank cell was not measured.", "",
+             "Commands (each set's `run.json` keeps its history):", ""]
+    for d, sm in summaries.items():
+        for h in sm["run"].get("history") or [{"command": sm["run"]["command"], "date": sm["run"]["date"]}]:
+            lines.append(f"- {d}, {h['date']}: `{h['command']}`" + (f" ({h['note']})" if h.get("note") else ""))
+    lines += ["", "| path | repair | " + " | ".join(f"{d} · {t}" for d, t in columns) + " |",
+              "|---|---|" + "---|" * len(columns)]
+    direct = []
+    for d, t in columns:
+        e = cells.get((d, t, DIRECT, "–"))
+        direct.append(f"F1 {e['f1']:.2f}, found {e['found']:.2f}, n = {e['n']}, {e['ttft_s']:.1f} s" if e else "")
+    lines.append("| direct context | – | " + " | ".join(direct) + " |")
+    for path, setting in row_keys:
+        out = []
+        for d, t in columns:
+            e = cells.get((d, t, path, setting))
+            out.append("" if e is None else f"{e['f1_retention']['value']:.2f} · {e['speedup_vs_direct']:.1f}×")
+        if any(out):
+            lines.append(f"| {path} | {setting} | " + " | ".join(out) + " |")
+    text = "\n".join(lines) + "\n"
+    (root / "README.md").write_text(text)
+    (root / "grid.json").write_text(json.dumps({d: sm for d, sm in summaries.items()}, indent=2) + "\n")
+    _grid_plot(summaries, root / "grid.png")
+    return text
+
+
+def _grid_plot(summaries: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4.5), squeeze=False)
+    for ax, (d, sm) in zip(axes[0], summaries.items()):
+        series: dict[str, list[dict]] = defaultdict(list)
+        for e in sm["table"]:
+            if e["path"] not in (NO_CONTEXT, DIRECT, DIRECT_TOP1):
+                series[f"{e['target']} · {e['path']}"].append(e)
+        for name, pts in sorted(series.items()):
+            ax.scatter([p["speedup_vs_direct"] for p in pts], [p["f1_retention"]["value"] for p in pts],
+                       label=name, s=14)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT speedup vs direct context")
+        ax.set_ylabel("F1 retention vs direct context")
+        ax.set_title(d)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dataset", default="synthetic-kb", help="synthetic-kb, essay-qa, calib-lookup")
+    ap.add_argument("--dataset", nargs="+", default=["synthetic-kb"],
+                    help="one or more of synthetic-kb, essay-qa, needle, calib-lookup")
+    ap.add_argument("--needle-lengths", nargs="+", type=int, default=[1024, 4096],
+                    help="needle haystack lengths in the first target's tokens")
+    ap.add_argument("--needle-depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
+    ap.add_argument("--needle-repeats", type=int, default=3, help="needles per (length, depth)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--targets", nargs="+", default=["qwen2.5-0.5b"])
     ap.add_argument("--source", default="smollm2-135m")
@@ -309,8 +455,10 @@ def main(argv=None) -> int:
     ap.add_argument("--store-root", type=Path, default=Path.home() / ".cache" / "cag" / "repair_ablation")
     ap.add_argument("--report", action="store_true", help="only rebuild the report from results.jsonl")
     args = ap.parse_args(argv)
-    out = args.out / args.dataset if args.report else run(args)
-    report(out)
+    outs = [args.out / d for d in args.dataset] if args.report else run(args)
+    for out in outs:
+        report(out)
+    print(grid_report(args.out, ["synthetic-kb", "essay-qa", "needle"]))
     return 0
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from eval.repair_ablation import decay_label, label, parse_decay, render, settings, summarize
+from eval.repair_ablation import (decay_label, grid_report, label, parse_decay, render, setting_order, settings,
+                                  summarize)
 
 
 def test_the_grid_has_no_repair_once_each_selector_at_each_ratio_and_first_k_once():
@@ -66,3 +67,50 @@ def test_the_top_chunk_baseline_and_retrieval_rates_are_reported_when_every_row_
     assert top1["f1_retention"]["value"] == pytest.approx(0.5) and top1["speedup_vs_direct"] == pytest.approx(4.0)
     assert summary["retrieval"] == {"t": {"top_chunk": 0.5, "hits": 1.0}}
     assert "in the top chunk for 50% of questions, in the top-4 for 100%" in render(summary)
+
+
+def test_settings_sort_by_ratio_with_no_repair_first_and_first_k_last():
+    labels = ["first_k k=16", "retriever 30%", "deviation 5%", "none", "source 10%", "deviation 10%",
+              "none γ=1", "deviation 10% γ=1"]
+    assert sorted(labels, key=setting_order) == ["none", "deviation 5%", "deviation 10%", "source 10%",
+                                                 "retriever 30%", "first_k k=16", "none γ=1", "deviation 10% γ=1"]
+
+
+def test_a_setting_added_by_a_later_pass_is_scored_on_its_rows_against_the_direct_ttft_beside_it(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"command": "c", "date": "d", "host": {}, "dataset": "kb", "n": 2,
+                                                   "source": "s", "settings": ["none", "source 5%"], "top_k": 4,
+                                                   "max_new_tokens": 16}))
+    first = {"item": "q1", "target": "t", "ape": {},
+             "text": {"no_context": _result(0.0, 3.0, 0.1), "direct": _result(1.0, None, 4.0)},
+             "settings": {"none": {"native_cache": _result(0.0, 0.5, 0.5)}}}
+    # The later pass rewrites q1's row with the new setting and its own direct TTFT; q2 never got it.
+    later = json.loads(json.dumps(first))
+    later["settings"]["source 5%"] = {"native_cache": _result(1.0, 0.1, 1.0, recomputed=5)}
+    later["direct_ttft_by_setting"] = {"source 5%": 2.0}
+    q2 = dict(json.loads(json.dumps(first)), item="q2")
+    q2["settings"]["none"]["native_cache"] = _result(1.0, 0.5, 0.5)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (first, q2, later)))
+    cells = {(e["path"], e["setting"]): e for e in summarize(tmp_path)["table"]}
+    assert cells[("native_cache", "none")]["n"] == 2  # q1 counted once: its later row replaced the first
+    assert cells[("native_cache", "none")]["f1_retention"]["value"] == pytest.approx(0.5)
+    added = cells[("native_cache", "source 5%")]
+    assert added["n"] == 1 and added["f1_retention"]["value"] == 1.0
+    assert added["speedup_vs_direct"] == pytest.approx(2.0)  # 2.0 s beside it, not the first pass's 4.0 s
+    assert cells[("native_cache", "none")]["speedup_vs_direct"] == pytest.approx(8.0)
+
+
+def test_the_grid_report_puts_every_set_and_target_in_one_table(tmp_path):
+    for dataset, target in (("synthetic-kb", "a"), ("essay-qa", "b")):
+        d = tmp_path / dataset
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps({"command": f"run {dataset}", "date": "d", "host": {},
+                                                "dataset": dataset, "n": 1, "source": "s", "settings": ["none"],
+                                                "top_k": 4, "max_new_tokens": 16}))
+        row = {"item": "q", "target": target, "ape": {},
+               "text": {"no_context": _result(0.0, 3.0, 0.1), "direct": _result(1.0, None, 4.0)},
+               "settings": {"none": {"native_cache": _result(1.0, 0.5, 0.5)}}}
+        (d / "results.jsonl").write_text(json.dumps(row) + "\n")
+    text = grid_report(tmp_path, ["synthetic-kb", "essay-qa", "needle"])
+    assert "| path | repair | synthetic-kb · a | essay-qa · b |" in text
+    assert "| native_cache | none | 1.00 · 8.0× | 1.00 · 8.0× |" in text
+    assert "`run essay-qa`" in text and (tmp_path / "README.md").read_text() == text
