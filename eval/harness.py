@@ -179,7 +179,7 @@ class ItemRunner:
 
     def _native_run(self, item, hits) -> _Run:
         """The target's own chunk caches; their prefill is offline work, not TTFT."""
-        lm, asm = self.lm, self.base.assembler
+        asm = self.base.assembler
         chunks = [self._prefilled(h.text) for h in hits]
         started = time.perf_counter()
         question_ids = asm.question_ids(item.question)

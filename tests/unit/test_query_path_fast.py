@@ -13,7 +13,6 @@ import struct
 import pytest
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from transformers import DynamicCache
 
 from cag import kv
