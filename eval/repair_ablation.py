@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -157,9 +158,11 @@ def run_dataset(args, dataset: str) -> Path:
     labels = {decay_label(label(*g), d): (d, g) for d in decays for g in grid}
     results_path = out / "results.jsonl"
     rows = _rows(results_path)
-    this_run = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    this_run = {"command": args.command, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     old = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
     history = old.get("history") or ([{"command": old["command"], "date": old["date"]}] if old else [])
+    # Running the same command again resumes it: one entry, the latest date.
+    history = [h for h in history if h["command"] != this_run["command"]]
     meta = {**this_run, "history": [*history, this_run], "host": host_info(), "dataset": dataset,
             "n": len(items), "source": args.source,
             "settings": sorted(set(old.get("settings", [])) | set(labels), key=setting_order), "top_k": args.top_k,
@@ -210,14 +213,16 @@ def run_dataset(args, dataset: str) -> Path:
                                             "hits": _holds(hits, item.answers)}
                         reference = runner.teacher_forced(text[DIRECT], runner.gold_ids(item.answers[0]))
                         row["text"] = {k: v.to_dict() for k, v in runner.score(item, text, reference).items()}
-                        direct = text[DIRECT]
+                        direct_ttft = row["text"][DIRECT]["ttft_s"]
                     else:  # a later pass: only direct context again, for the reference and a TTFT beside
-                        if row.get("rank_key_decay") != served_decay or row.get("ape", {}).get("native") != \
-                                base.ape_settings(native=True):
-                            raise SystemExit(f"{item.id}: the served settings changed since this row was "
-                                             "measured; pass another --out")
+                        served = {"rank_key_decay": served_decay, "ape": base.ape_settings(native=True)}
+                        measured = {"rank_key_decay": row.get("rank_key_decay"), "ape": row.get("ape", {}).get("native")}
+                        if json.loads(json.dumps(served)) != measured:
+                            raise SystemExit(f"{item.id}: measured with {measured}, served now {served}; "
+                                             "pass another --out")
                         direct = runner._text_run(item, hits, with_context=True)
                         reference = runner.teacher_forced(direct, runner.gold_ids(item.answers[0]))
+                        direct_ttft = runner.score(item, {DIRECT: direct}, reference)[DIRECT].ttft_s
                     by_setting = row.setdefault("direct_ttft_by_setting", {})
                     for lab in todo_labels:
                         decay, (select, ratio) = labels[lab]
@@ -231,7 +236,7 @@ def run_dataset(args, dataset: str) -> Path:
                                 ctx.recompute_ratio = ratio
                         scored = runner.score(item, runner.cache_runs(item, hits), reference)
                         row["settings"][lab] = {k: v.to_dict() for k, v in scored.items()}
-                        by_setting[lab] = direct.ttft_s
+                        by_setting[lab] = direct_ttft
                 rows[(item.id, target)] = row
                 with open(results_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
@@ -319,6 +324,11 @@ def render(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plottable(e: dict) -> bool:
+    """A cell with a retention (direct context found something) and a speedup to put on a log axis."""
+    return bool(e["speedup_vs_direct"]) and e["speedup_vs_direct"] > 0 and np.isfinite(e["f1_retention"]["value"])
+
+
 def plot(summary: dict, out: Path) -> Path | None:
     try:
         import matplotlib
@@ -330,7 +340,7 @@ def plot(summary: dict, out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, list[dict]] = defaultdict(list)
     for e in summary["table"]:
-        if e["path"] not in (NO_CONTEXT, DIRECT):
+        if e["path"] not in (NO_CONTEXT, DIRECT) and _plottable(e):
             series[f"{e['target']} · {e['path']}"].append(e)
     for name, pts in sorted(series.items()):
         ax.scatter([p["speedup_vs_direct"] for p in pts], [p["f1_retention"]["value"] for p in pts], label=name)
@@ -362,6 +372,8 @@ def grid_report(root: Path, datasets: list[str]) -> str:
     F1 retention and TTFT speedup against direct context on the same questions. Written to
     ``<root>/README.md`` and ``grid.json``, with ``grid.png`` (retention against speedup, a panel per set)."""
     summaries = {d: summarize(root / d) for d in datasets if (root / d / "results.jsonl").exists()}
+    if not summaries:
+        return ""
     columns = [(d, t) for d, sm in summaries.items() for t in sorted({e["target"] for e in sm["table"]})]
     cells = {(d, e["target"], e["path"], e["setting"]): e for d, sm in summaries.items() for e in sm["table"]}
     settings_seen = sorted({e["setting"] for sm in summaries.values() for e in sm["table"] if e["setting"] != "–"},
@@ -411,7 +423,7 @@ def _grid_plot(summaries: dict, path: Path) -> None:
     for ax, (d, sm) in zip(axes[0], summaries.items()):
         series: dict[str, list[dict]] = defaultdict(list)
         for e in sm["table"]:
-            if e["path"] not in (NO_CONTEXT, DIRECT, DIRECT_TOP1):
+            if e["path"] not in (NO_CONTEXT, DIRECT, DIRECT_TOP1) and _plottable(e):
                 series[f"{e['target']} · {e['path']}"].append(e)
         for name, pts in sorted(series.items()):
             ax.scatter([p["speedup_vs_direct"] for p in pts], [p["f1_retention"]["value"] for p in pts],
@@ -455,10 +467,11 @@ def main(argv=None) -> int:
     ap.add_argument("--store-root", type=Path, default=Path.home() / ".cache" / "cag" / "repair_ablation")
     ap.add_argument("--report", action="store_true", help="only rebuild the report from results.jsonl")
     args = ap.parse_args(argv)
+    args.command = shlex.join(["python", "eval/repair_ablation.py", *(sys.argv[1:] if argv is None else argv)])
     outs = [args.out / d for d in args.dataset] if args.report else run(args)
     for out in outs:
         report(out)
-    print(grid_report(args.out, ["synthetic-kb", "essay-qa", "needle"]))
+    print(grid_report(args.out, ["synthetic-kb", "essay-qa", "needle"]), end="")
     return 0
 
 

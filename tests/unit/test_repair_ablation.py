@@ -114,3 +114,48 @@ def test_the_grid_report_puts_every_set_and_target_in_one_table(tmp_path):
     assert "| path | repair | synthetic-kb · a | essay-qa · b |" in text
     assert "| native_cache | none | 1.00 · 8.0× | 1.00 · 8.0× |" in text
     assert "`run essay-qa`" in text and (tmp_path / "README.md").read_text() == text
+
+
+def test_a_later_pass_measures_only_the_settings_a_question_lacks(tmp_path, monkeypatch):
+    """The grid on a tiny model: a second command with one more ratio adds that setting to every measured
+    question (direct context measured again beside it), keeps the first pass's, and a third run of the
+    same command measures nothing."""
+    import functools
+
+    import eval.repair_ablation as ra
+    from eval.run import build_eval_store
+    from tests.stores.test_build import HashEmbedder
+    from tests.unit.test_context import saved
+    from tests.unit.test_harness import Doc, Item
+
+    model = str(saved(tmp_path, "llama"))
+    docs = tuple(Doc(f"d{i}", f"Document {i} says the tower of Velm{i} is built of stone number {i}. " * 3)
+                 for i in range(3))
+    items = [Item(f"q{i}", f"What is the tower of Velm{i} built of?", (f"stone number {i}",), docs,
+                  meta={"dataset": "toy"}) for i in range(2)]
+    monkeypatch.setattr(ra, "load_items", lambda dataset, limit, args=None: items)
+    monkeypatch.setattr(ra, "build_eval_store", functools.partial(build_eval_store, embedder=HashEmbedder()))
+    monkeypatch.setattr(ra, "CachedContext", functools.partial(ra.CachedContext, embedder=HashEmbedder(),
+                                                               dtype="float32"))
+    argv = ["--dataset", "toy", "--targets", model, "--source", model, "--method", "none", "--selectors",
+            "deviation", "--first-k", "0", "--max-new-tokens", "3", "--chunk-tokens", "32", "--out", str(tmp_path / "out"),
+            "--store-root", str(tmp_path / "stores")]
+    results = tmp_path / "out" / "toy" / "results.jsonl"
+    ra.main([*argv, "--ratios", "0.5"])
+    first = ra._rows(results)
+    assert len(results.read_text().splitlines()) == 2
+    assert all(set(r["settings"]) == {"none", "deviation 50%"} for r in first.values())
+    ra.main([*argv, "--ratios", "0.25", "0.5"])
+    later = ra._rows(results)
+    assert len(results.read_text().splitlines()) == 4  # each question's row rewritten once
+    for key, row in later.items():
+        assert set(row["settings"]) == {"none", "deviation 25%", "deviation 50%"}
+        assert row["settings"]["none"] == first[key]["settings"]["none"]  # kept, not measured again
+        assert row["text"] == first[key]["text"]
+        assert set(row["direct_ttft_by_setting"]) == {"none", "deviation 25%", "deviation 50%"}
+        assert row["settings"]["deviation 25%"]["native_cache"]["recomputed_tokens"] > 0
+    ra.main([*argv, "--ratios", "0.25", "0.5"])
+    assert len(results.read_text().splitlines()) == 4
+    run = json.loads((tmp_path / "out" / "toy" / "run.json").read_text())
+    assert len(run["history"]) == 2 and run["settings"] == ["none", "deviation 25%", "deviation 50%"]
+    assert "| native_cache | deviation 25% |" in (tmp_path / "out" / "toy" / "ablation.md").read_text()
