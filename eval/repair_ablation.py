@@ -293,11 +293,16 @@ def summarize(out: Path) -> dict:
     return {"run": meta, "ape": ape, "rank_key_decay": decay, "retrieval": retrieval, "table": table}
 
 
+def _history(run: dict) -> list[dict]:
+    """The commands that measured a set (runs before 2026-12-06 kept only the last one)."""
+    return run.get("history") or [{"command": run["command"], "date": run["date"]}]
+
+
 def render(summary: dict) -> str:
     run, lines = summary["run"], []
     lines += [f"# Chunk repair ablation: {run['dataset']}", "",
               *[f"Command ({h['date']}): `{h['command']}`{' (' + h['note'] + ')' if h.get('note') else ''}  "
-                for h in run.get("history") or [run]],
+                for h in _history(run)],
               host_line(run["host"], {}), "",
               f"{run['n']} questions, top-{run['top_k']} chunks of a store built by {run['source']}; every setting "
               "on the same chunks. Retention = metric / direct context's on the same questions, paired bootstrap "
@@ -329,7 +334,7 @@ def _plottable(e: dict) -> bool:
     return bool(e["speedup_vs_direct"]) and e["speedup_vs_direct"] > 0 and np.isfinite(e["f1_retention"]["value"])
 
 
-def plot(summary: dict, out: Path) -> Path | None:
+def _pyplot():
     try:
         import matplotlib
 
@@ -337,21 +342,35 @@ def plot(summary: dict, out: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    return plt
+
+
+def _panel(ax, table: list[dict], title: str, *, leave_out: tuple, annotate: bool) -> None:
+    """Retention against speedup on a log axis, a series per (target, path)."""
     series: dict[str, list[dict]] = defaultdict(list)
-    for e in summary["table"]:
-        if e["path"] not in (NO_CONTEXT, DIRECT) and _plottable(e):
+    for e in table:
+        if e["path"] not in leave_out and _plottable(e):
             series[f"{e['target']} · {e['path']}"].append(e)
     for name, pts in sorted(series.items()):
-        ax.scatter([p["speedup_vs_direct"] for p in pts], [p["f1_retention"]["value"] for p in pts], label=name)
-        for p in pts:
+        ax.scatter([p["speedup_vs_direct"] for p in pts], [p["f1_retention"]["value"] for p in pts], label=name,
+                   s=None if annotate else 14)
+        for p in pts if annotate else ():
             ax.annotate(p["setting"], (p["speedup_vs_direct"], p["f1_retention"]["value"]), fontsize=6)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT speedup vs direct context (median)")
     ax.set_ylabel("F1 retention vs direct context")
-    ax.set_title(f"Chunk repair: {summary['run']['dataset']}")
-    ax.legend(fontsize=7)
+    ax.set_title(title)
+    ax.legend(fontsize=7 if annotate else 6)
+
+
+def plot(summary: dict, out: Path) -> Path | None:
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    _panel(ax, summary["table"], f"Chunk repair: {summary['run']['dataset']}", leave_out=(NO_CONTEXT, DIRECT),
+           annotate=True)
     fig.tight_layout()
     path = out / "retention_vs_speedup.png"
     fig.savefig(path, dpi=120)
@@ -359,19 +378,22 @@ def plot(summary: dict, out: Path) -> Path | None:
     return path
 
 
-def report(out: Path) -> None:
+def report(out: Path) -> dict:
     summary = summarize(out)
+    text = render(summary)
     (out / "ablation.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "ablation.md").write_text(render(summary))
+    (out / "ablation.md").write_text(text)
     plot(summary, out)
-    print(render(summary))
+    print(text)
+    return summary
 
 
-def grid_report(root: Path, datasets: list[str]) -> str:
+def grid_report(root: Path, datasets: list[str], known: dict[str, dict] | None = None) -> str:
     """The whole grid in one table: a row per (path, setting), a column per (dataset, target); each cell
     F1 retention and TTFT speedup against direct context on the same questions. Written to
     ``<root>/README.md`` and ``grid.json``, with ``grid.png`` (retention against speedup, a panel per set)."""
-    summaries = {d: summarize(root / d) for d in datasets if (root / d / "results.jsonl").exists()}
+    known = known or {}  # summaries this process already made (report's), by set
+    summaries = {d: known.get(d) or summarize(root / d) for d in datasets if (root / d / "results.jsonl").exists()}
     if not summaries:
         return ""
     columns = [(d, t) for d, sm in summaries.items() for t in sorted({e["target"] for e in sm["table"]})]
@@ -388,7 +410,7 @@ def grid_report(root: Path, datasets: list[str]) -> str:
              "A blank cell was not measured.", "",
              "Commands (each set's `run.json` keeps its history):", ""]
     for d, sm in summaries.items():
-        for h in sm["run"].get("history") or [{"command": sm["run"]["command"], "date": sm["run"]["date"]}]:
+        for h in _history(sm["run"]):
             lines.append(f"- {d}, {h['date']}: `{h['command']}`" + (f" ({h['note']})" if h.get("note") else ""))
     lines += ["", "| path | repair | " + " | ".join(f"{d} · {t}" for d, t in columns) + " |",
               "|---|---|" + "---|" * len(columns)]
@@ -412,28 +434,12 @@ def grid_report(root: Path, datasets: list[str]) -> str:
 
 
 def _grid_plot(summaries: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4.5), squeeze=False)
     for ax, (d, sm) in zip(axes[0], summaries.items()):
-        series: dict[str, list[dict]] = defaultdict(list)
-        for e in sm["table"]:
-            if e["path"] not in (NO_CONTEXT, DIRECT, DIRECT_TOP1) and _plottable(e):
-                series[f"{e['target']} · {e['path']}"].append(e)
-        for name, pts in sorted(series.items()):
-            ax.scatter([p["speedup_vs_direct"] for p in pts], [p["f1_retention"]["value"] for p in pts],
-                       label=name, s=14)
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT speedup vs direct context")
-        ax.set_ylabel("F1 retention vs direct context")
-        ax.set_title(d)
-        ax.legend(fontsize=6)
+        _panel(ax, sm["table"], d, leave_out=(NO_CONTEXT, DIRECT, DIRECT_TOP1), annotate=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -469,9 +475,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.command = shlex.join(["python", "eval/repair_ablation.py", *(sys.argv[1:] if argv is None else argv)])
     outs = [args.out / d for d in args.dataset] if args.report else run(args)
-    for out in outs:
-        report(out)
-    print(grid_report(args.out, ["synthetic-kb", "essay-qa", "needle"]), end="")
+    known = {out.name: report(out) for out in outs}
+    print(grid_report(args.out, ["synthetic-kb", "essay-qa", "needle"], known), end="")
     return 0
 
 
