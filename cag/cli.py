@@ -634,12 +634,15 @@ def eval_cmd(
     rank_key_decay: RankKeyDecay = None,
     dtype: Annotated[str | None, typer.Option(help="Storage format of the store built for the questions: "
                                               "int8 (default, as cag build), bfloat16 or float8_e4m3fn.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        "--max-new-tokens", min=1, help="Tokens each answer may run to (default: the profile's, 16 quick, 24 "
+        "full). A model that restates the question before answering needs more for its found-rate.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Output folder (resumable).")] = Path("eval-out"),
     as_json: JsonFlag = False,
 ) -> None:
     """Quality retention against direct context: every condition, same chunks; writes a report."""
     from eval import datasets as ds
-    from eval.run import run_eval
+    from eval.run import ResumeMismatchError, run_eval
     from stores.errors import StoreError
 
     if profile not in PROFILES:
@@ -675,11 +678,11 @@ def eval_cmd(
     command = "cag eval " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "cag eval"
     try:  # progress goes to stderr (cag.progress), so --json keeps stdout to the summary
         summary = run_eval(items, out_dir, store=store, source=source, targets=targets, methods=methods,
-                           top_k=top_k, max_new_tokens=prof["max_new_tokens"], command=command,
+                           top_k=top_k, max_new_tokens=max_new_tokens or prof["max_new_tokens"], command=command,
                            recompute_ratio=recompute, recompute_select=recompute_select, progress=True,
                            dtype=dtype, translated_key_scale=translated_key_scale,
                            rank_key_decay=rank_key_decay)
-    except (registry.ModelError, ValueError, StoreError) as e:
+    except (registry.ModelError, ValueError, StoreError, ResumeMismatchError) as e:
         raise _fail(str(e)) from None
     if as_json:
         print(json.dumps(summary), flush=True)

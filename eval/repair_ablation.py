@@ -151,8 +151,6 @@ def run_dataset(args, dataset: str) -> Path:
     tag = f"needle-{args.targets[0]}" if dataset == "needle" else dataset
     store = args.store_root / f"{tag}-{args.source}"
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"repair_ablation: store {store} ({len(items)} questions)")
-    build_eval_store(items, store, args.source, chunk_tokens=args.chunk_tokens)
     grid = settings(args.ratios, args.selectors, args.first_k)
     decays = [parse_decay(v) for v in args.rank_key_decays]
     labels = {decay_label(label(*g), d): (d, g) for d in decays for g in grid}
@@ -178,6 +176,10 @@ def run_dataset(args, dataset: str) -> Path:
         return [lab for lab in labels if lab not in have]
 
     todo = [(i, t) for t in args.targets for i in items if missing(i, t)]
+    log(f"repair_ablation: {dataset}: {len(todo)} of {len(items) * len(args.targets)} (question, target) pairs "
+        f"lack a setting; store {store}")
+    if todo:  # a set measured at every setting needs no store (a build costs minutes)
+        build_eval_store(items, store, args.source, chunk_tokens=args.chunk_tokens)
     with Progress("repair_ablation", len(todo), unit="questions") as bar:
         for target in args.targets:
             if not any(t == target for _, t in todo):

@@ -58,18 +58,38 @@ def _store_dtype(store) -> str | None:
         location.close()
 
 
+class ResumeMismatchError(RuntimeError):
+    """An output folder holds rows measured otherwise than this run would measure them."""
+
+
 def _done(path: Path) -> dict[tuple[str, str], dict[str, str]]:
     """(item, target) of every finished row → the mapper artifacts it was measured with."""
+    return {key: row.get("mappers", {}) for key, row in _finished_rows(path).items()}
+
+
+def _finished_rows(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
     if not path.exists():
         return {}
-    done = {}
+    rows = {}
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except ValueError:  # a line cut by an interruption: redo that question
             continue
-        done[(row["item"], row["target"])] = row.get("mappers", {})
-    return done
+        rows[(row["item"], row["target"])] = row
+    return rows
+
+
+def _check_budget(path: Path, max_new_tokens: int) -> None:
+    """A resumed run must generate as many tokens as its earlier rows: found-rate and F1 depend on
+    it (a model that restates the question before answering is cut off by a short budget), so two
+    budgets in one table would compare unlike answers. Rows from before the budget was recorded
+    are taken as they are."""
+    for (item, target), row in _finished_rows(path).items():
+        recorded = row.get("max_new_tokens")
+        if recorded is not None and recorded != max_new_tokens:
+            raise ResumeMismatchError(f"{path} holds rows generated with max_new_tokens = {recorded} ({item}, {target}); "
+                               f"this run asks {max_new_tokens}. Use another --out, or delete the file to redo it.")
 
 
 def _check_resumable(done: dict[tuple[str, str], dict[str, str]], target: str, mappers: dict[str, str],
@@ -79,7 +99,7 @@ def _check_resumable(done: dict[tuple[str, str], dict[str, str]], target: str, m
     for (item, t), recorded in done.items():
         for label, artifact in recorded.items():
             if t == target and label in mappers and mappers[label] != artifact:
-                raise RuntimeError(f"{path} holds rows measured with {label} mapper {artifact} ({item}, {target}); "
+                raise ResumeMismatchError(f"{path} holds rows measured with {label} mapper {artifact} ({item}, {target}); "
                                    f"this run's is {mappers[label]}. Use another --out, or delete the file to redo it.")
 
 
@@ -117,6 +137,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
             dtype = build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder,
                                      dtype=dtype, **kw).dtype
     results_path = out_dir / RESULTS
+    _check_budget(results_path, max_new_tokens)
     done = _done(results_path)
     notes: list[str] = []
     total = len(items) * len(targets)
@@ -156,7 +177,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                     warnings.simplefilter("ignore")
                     results = runner.run(item)
                 row = {"item": item.id, "target": target, "meta": dict(item.meta), "question": item.question,
-                       "answers": list(item.answers), "mappers": mappers,
+                       "answers": list(item.answers), "mappers": mappers, "max_new_tokens": max_new_tokens,
                        "results": {k: v.to_dict() for k, v in results.items()}}
                 with open(results_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")

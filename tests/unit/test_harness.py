@@ -106,6 +106,22 @@ def test_a_resumed_run_refuses_rows_measured_with_another_mapper_artifact(setup,
     assert len(path.read_text().splitlines()) == 2  # nothing was mixed in
 
 
+def test_a_resumed_run_refuses_rows_generated_with_another_token_budget(setup, tmp_path):
+    import json
+
+    root, model, items = setup
+    out = tmp_path / "budget"
+    kw = dict(source=model, targets=[model], methods=["identity"], top_k=2, chunk_tokens=32, embedder=HashEmbedder())
+    summary = run_eval(items[:1], out, max_new_tokens=2, **kw)
+    path = out / "results.jsonl"
+    assert json.loads(path.read_text())["max_new_tokens"] == 2 == summary["run"]["max_new_tokens"]
+    run_eval(items[:2], out, store=out / "store", max_new_tokens=2, **kw)  # the same budget: resumes
+    assert len(path.read_text().splitlines()) == 2
+    with pytest.raises(RuntimeError, match="max_new_tokens = 2 .*asks 5.*Use another --out"):
+        run_eval(items[:3], out, store=out / "store", max_new_tokens=5, **kw)
+    assert len(path.read_text().splitlines()) == 2  # nothing was mixed in
+
+
 def test_run_eval_builds_its_store_in_the_dtype_asked(setup, tmp_path):
     from cag.kv import read_metadata
     from stores.location import open_store

@@ -173,6 +173,22 @@ def test_cag_eval_json_keeps_stdout_to_json_and_progress_on_stderr(tiny_folder, 
     assert f"Host: {host['cpu']}" in table and "target prefill tok/s" in table
 
 
+def test_cag_eval_takes_a_token_budget_and_refuses_to_resume_with_another(tiny_folder, tmp_path):
+    qa = tmp_path / "qa.jsonl"
+    docs = [{"id": "d0", "text": doc(0)}]
+    qa.write_text(json.dumps({"id": "q0", "question": "What is kept in the tower?", "answers": ["maps"],
+                              "documents": docs, "meta": {"dataset": "toy"}}) + "\n")
+    model = str(tiny_folder)
+    args = ["eval", "--qa", str(qa), "--source", model, "--targets", model, "--methods", "identity",
+            "--top-k", "1", "--out", str(tmp_path / "out"), "--json"]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["run"]["max_new_tokens"] == 3
+    again = runner.invoke(app, [*args, "--max-new-tokens", "5"])
+    assert again.exit_code == 1 and "Traceback" not in again.stderr  # a clear error, not a crash
+    assert "max_new_tokens = 3" in again.stderr and "asks 5" in again.stderr
+
+
 def test_cag_bench_rows_carry_floor_host_and_prefill_rate(tiny_folder, tmp_path):
     model = str(tiny_folder)
     out = tmp_path / "bench"
