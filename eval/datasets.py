@@ -70,6 +70,7 @@ line raises `DatasetFormatError` naming the file, line number and field.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -859,6 +860,39 @@ def needle(*, seed: int = 0, lengths: Sequence[int] = (1024, 2048, 4096, 8192),
                           else (getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)},
                 ))
     return items
+
+
+def item_fingerprint(item: QAItem) -> str:
+    """A digest of what an item asks and reads: its question, answers, context mode and documents.
+
+    An id names an item only among the arguments that generated it: a needle's haystack and fact
+    come from one random stream over all (length, depth, repeat) asked, so `needle-s0-L4096-d10-r0`
+    of a run with lengths (1024, 4096) is another needle than that of a run with (4096,). Resumed
+    runs compare this digest, so rows of one item are never kept for another."""
+    h = hashlib.sha256()
+    for part in (item.question, *item.answers, item.context, *(f"{d.id}\0{d.text}" for d in item.documents)):
+        h.update(part.encode("utf-8"))
+        h.update(b"\x1f")
+    return h.hexdigest()[:16]
+
+
+def row_is_of_item(row: dict, item: QAItem) -> bool:
+    """Whether a stored result row was measured on `item` (its digest; rows written before the
+    digest was recorded: the question, answers and needle they recorded)."""
+    if "item_sha" in row:
+        return row["item_sha"] == item_fingerprint(item)
+    if "question" in row and row["question"] != item.question:
+        return False
+    if "answers" in row and list(row["answers"]) != list(item.answers):
+        return False
+    meta = row.get("meta", {})
+    return all(meta[k] == item.meta.get(k) for k in ("needle", "actual_tokens", "start_essay", "tokenizer") if k in meta)
+
+
+def foreign_rows(rows: Iterable[dict], items: Iterable[QAItem]) -> list[str]:
+    """Ids of `items` that a stored row of the same id was not measured on."""
+    by_id = {item.id: item for item in items}
+    return sorted({row["item"] for row in rows if row["item"] in by_id and not row_is_of_item(row, by_id[row["item"]])})
 
 
 # ---------------------------------------------------------------------------

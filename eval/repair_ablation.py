@@ -156,6 +156,11 @@ def run_dataset(args, dataset: str) -> Path:
     labels = {decay_label(label(*g), d): (d, g) for d in decays for g in grid}
     results_path = out / "results.jsonl"
     rows = _rows(results_path)
+    foreign = ds.foreign_rows(rows.values(), items)
+    if foreign:  # an id names an item only among the arguments that generated it
+        raise SystemExit(f"{results_path} holds rows of other items under the ids {', '.join(foreign[:3])}"
+                         f"{' …' if len(foreign) > 3 else ''} ({len(foreign)} in all): were the dataset's "
+                         "arguments changed (needle lengths, depths, repeats, the first target)? Pass another --out")
     this_run = {"command": args.command, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     old = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
     history = old.get("history") or ([{"command": old["command"], "date": old["date"]}] if old else [])
@@ -199,11 +204,14 @@ def run_dataset(args, dataset: str) -> Path:
                 if not todo_labels:
                     continue
                 row = rows.get((item.id, target))
+                if row is not None:  # checked above: measured on this item
+                    row.setdefault("item_sha", ds.item_fingerprint(item))
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     hits = runner.hits_for(item)
                     if row is None:
-                        row = {"item": item.id, "target": target, "meta": dict(item.meta),
+                        row = {"item": item.id, "item_sha": ds.item_fingerprint(item), "target": target,
+                               "meta": dict(item.meta),
                                "answers": list(item.answers),
                                "ape": {"native": base.ape_settings(native=True),
                                        **{m: c.ape_settings() for m, c in contexts.items()}},

@@ -25,6 +25,7 @@ from cag.mapping import MapperNotFoundError
 from cag.models import registry
 from cag.progress import Progress, build_progress
 from eval import metrics
+from eval.datasets import foreign_rows, item_fingerprint
 from eval.harness import DIRECT, NO_CONTEXT, ItemRunner, host_info, host_line, measure_prefill_rate
 from stores.build import existing_dtype
 from stores.location import open_store
@@ -78,6 +79,16 @@ def _finished_rows(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
             continue
         rows[(row["item"], row["target"])] = row
     return rows
+
+
+def _check_items(path: Path, items: Sequence[Any]) -> None:
+    """A resumed run must ask the questions its earlier rows answered: the same id can name another
+    item when a generator's arguments change (`eval.datasets.item_fingerprint`)."""
+    foreign = foreign_rows(_finished_rows(path).values(), items)
+    if foreign:
+        raise ResumeMismatchError(f"{path} holds rows of other items under the ids of this run's "
+                                  f"{', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''} ({len(foreign)} in all): "
+                                  "were the dataset's arguments changed? Use another --out, or delete the file to redo it.")
 
 
 def _check_budget(path: Path, max_new_tokens: int) -> None:
@@ -138,6 +149,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                                      dtype=dtype, **kw).dtype
     results_path = out_dir / RESULTS
     _check_budget(results_path, max_new_tokens)
+    _check_items(results_path, items)
     done = _done(results_path)
     notes: list[str] = []
     total = len(items) * len(targets)
@@ -176,7 +188,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     results = runner.run(item)
-                row = {"item": item.id, "target": target, "meta": dict(item.meta), "question": item.question,
+                row = {"item": item.id, "item_sha": item_fingerprint(item), "target": target,
+                       "meta": dict(item.meta), "question": item.question,
                        "answers": list(item.answers), "mappers": mappers, "max_new_tokens": max_new_tokens,
                        "results": {k: v.to_dict() for k, v in results.items()}}
                 with open(results_path, "a", encoding="utf-8") as f:

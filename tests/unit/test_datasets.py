@@ -174,6 +174,26 @@ def test_needle_deterministic_and_seeded():
     assert a[0].gold != a[1].gold
 
 
+def test_an_id_names_its_item_only_among_the_arguments_that_made_it():
+    """A needle's fact and haystack come from one random stream over all the (length, depth, repeat)
+    asked, so the same id can name two needles; the digest tells them apart, and a stored row is
+    matched to an item by it (rows from before the digest: by the needle and answers they recorded)."""
+    kw = dict(depths=(0.5,), repeats=1)
+    both = {i.id: i for i in get_dataset("needle", lengths=(512, 1024), **kw)}
+    alone = {i.id: i for i in get_dataset("needle", lengths=(1024,), **kw)}
+    (key,) = alone
+    assert key in both and D.item_fingerprint(both[key]) != D.item_fingerprint(alone[key])
+    again = get_dataset("needle", lengths=(1024,), **kw)[0]
+    assert D.item_fingerprint(again) == D.item_fingerprint(alone[key])  # reproducible
+    row = {"item": key, "item_sha": D.item_fingerprint(both[key])}
+    assert D.foreign_rows([row], alone.values()) == [key]
+    assert D.foreign_rows([row], both.values()) == []
+    legacy = {"item": key, "answers": list(both[key].answers), "meta": dict(both[key].meta)}
+    assert D.foreign_rows([legacy], alone.values()) == [key]
+    assert D.foreign_rows([legacy], both.values()) == []
+    assert D.foreign_rows([{"item": "elsewhere", "item_sha": "0"}], alone.values()) == []  # not asked: not ours to judge
+
+
 def test_needle_default_grid():
     items = get_dataset("needle")
     assert len(items) == 12

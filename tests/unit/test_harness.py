@@ -122,6 +122,25 @@ def test_a_resumed_run_refuses_rows_generated_with_another_token_budget(setup, t
     assert len(path.read_text().splitlines()) == 2  # nothing was mixed in
 
 
+def test_a_resumed_run_refuses_rows_of_another_item_under_the_same_id(setup, tmp_path):
+    import dataclasses
+    import json
+
+    root, model, items = setup
+    out = tmp_path / "ids"
+    kw = dict(source=model, targets=[model], methods=["identity"], top_k=2, max_new_tokens=2, chunk_tokens=32,
+              embedder=HashEmbedder())
+    run_eval(items[:1], out, **kw)
+    path = out / "results.jsonl"
+    assert json.loads(path.read_text())["item_sha"]
+    other = dataclasses.replace(items[0], question=items[0].question + " And since when?")
+    with pytest.raises(RuntimeError, match=f"{items[0].id}.*arguments changed.*Use another --out"):
+        run_eval([other, items[1]], out, store=out / "store", **kw)
+    assert len(path.read_text().splitlines()) == 1  # nothing was mixed in
+    run_eval(items[:2], out, store=out / "store", **kw)  # the same item: resumes
+    assert len(path.read_text().splitlines()) == 2
+
+
 def test_run_eval_builds_its_store_in_the_dtype_asked(setup, tmp_path):
     from cag.kv import read_metadata
     from stores.location import open_store

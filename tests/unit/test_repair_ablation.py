@@ -159,3 +159,13 @@ def test_a_later_pass_measures_only_the_settings_a_question_lacks(tmp_path, monk
     run = json.loads((tmp_path / "out" / "toy" / "run.json").read_text())
     assert len(run["history"]) == 2 and run["settings"] == ["none", "deviation 25%", "deviation 50%"]
     assert "| native_cache | deviation 25% |" in (tmp_path / "out" / "toy" / "ablation.md").read_text()
+    assert all(r["item_sha"] for r in ra._rows(results).values())
+    # the same ids for other questions (a generator's arguments changed): refused before anything is measured
+    import dataclasses
+
+    changed = [dataclasses.replace(i, question=i.question + " Since when?") for i in items]
+    monkeypatch.setattr(ra, "load_items", lambda dataset, limit, args=None: changed)
+    with pytest.raises(SystemExit, match="rows of other items under the ids q0, q1"):
+        ra.main([*argv, "--ratios", "0.25", "0.5", "0.75"])
+    assert len(results.read_text().splitlines()) == 4
+    assert len(json.loads((tmp_path / "out" / "toy" / "run.json").read_text())["history"]) == 2
