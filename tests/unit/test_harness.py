@@ -84,13 +84,18 @@ def test_run_eval_writes_report_and_resumes(setup, tmp_path):
     assert again["rows"] == len(items)
 
 
+def _small_run(model: str) -> dict:
+    """`run_eval` arguments for a resume test: one tiny model, answers of two tokens."""
+    return dict(source=model, targets=[model], methods=["identity"], top_k=2, max_new_tokens=2, chunk_tokens=32,
+                embedder=HashEmbedder())
+
+
 def test_a_resumed_run_refuses_rows_measured_with_another_mapper_artifact(setup, tmp_path):
     import json
 
     root, model, items = setup
     out = tmp_path / "refit"
-    kw = dict(source=model, targets=[model], methods=["identity"], top_k=2, max_new_tokens=2, chunk_tokens=32,
-              embedder=HashEmbedder())
+    kw = _small_run(model)
     run_eval(items[:1], out, **kw)
     path = out / "results.jsonl"
     row = json.loads(path.read_text())
@@ -111,7 +116,8 @@ def test_a_resumed_run_refuses_rows_generated_with_another_token_budget(setup, t
 
     root, model, items = setup
     out = tmp_path / "budget"
-    kw = dict(source=model, targets=[model], methods=["identity"], top_k=2, chunk_tokens=32, embedder=HashEmbedder())
+    kw = _small_run(model)
+    del kw["max_new_tokens"]
     summary = run_eval(items[:1], out, max_new_tokens=2, **kw)
     path = out / "results.jsonl"
     assert json.loads(path.read_text())["max_new_tokens"] == 2 == summary["run"]["max_new_tokens"]
@@ -128,8 +134,7 @@ def test_a_resumed_run_refuses_rows_of_another_item_under_the_same_id(setup, tmp
 
     root, model, items = setup
     out = tmp_path / "ids"
-    kw = dict(source=model, targets=[model], methods=["identity"], top_k=2, max_new_tokens=2, chunk_tokens=32,
-              embedder=HashEmbedder())
+    kw = _small_run(model)
     run_eval(items[:1], out, **kw)
     path = out / "results.jsonl"
     assert json.loads(path.read_text())["item_sha"]
