@@ -63,12 +63,8 @@ class ResumeMismatchError(RuntimeError):
     """An output folder holds rows measured otherwise than this run would measure them."""
 
 
-def _done(path: Path) -> dict[tuple[str, str], dict[str, str]]:
-    """(item, target) of every finished row → the mapper artifacts it was measured with."""
-    return {key: row.get("mappers", {}) for key, row in _finished_rows(path).items()}
-
-
 def _finished_rows(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """(item, target) of every finished row → the row."""
     if not path.exists():
         return {}
     rows = {}
@@ -81,26 +77,26 @@ def _finished_rows(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
     return rows
 
 
-def _check_items(path: Path, items: Sequence[Any]) -> None:
+def _check_items(finished: dict[tuple[str, str], dict], items: Sequence[Any], path: Path) -> None:
     """A resumed run must ask the questions its earlier rows answered: the same id can name another
     item when a generator's arguments change (`eval.datasets.item_fingerprint`)."""
-    foreign = foreign_rows(_finished_rows(path).values(), items)
+    foreign = foreign_rows(finished.values(), items)
     if foreign:
         raise ResumeMismatchError(f"{path} holds rows of other items under the ids of this run's "
                                   f"{', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''} ({len(foreign)} in all): "
                                   "were the dataset's arguments changed? Use another --out, or delete the file to redo it.")
 
 
-def _check_budget(path: Path, max_new_tokens: int) -> None:
+def _check_budget(finished: dict[tuple[str, str], dict], max_new_tokens: int, path: Path) -> None:
     """A resumed run must generate as many tokens as its earlier rows: found-rate and F1 depend on
     it (a model that restates the question before answering is cut off by a short budget), so two
     budgets in one table would compare unlike answers. Rows from before the budget was recorded
     are taken as they are."""
-    for (item, target), row in _finished_rows(path).items():
+    for (item, target), row in finished.items():
         recorded = row.get("max_new_tokens")
         if recorded is not None and recorded != max_new_tokens:
             raise ResumeMismatchError(f"{path} holds rows generated with max_new_tokens = {recorded} ({item}, {target}); "
-                               f"this run asks {max_new_tokens}. Use another --out, or delete the file to redo it.")
+                                      f"this run asks {max_new_tokens}. Use another --out, or delete the file to redo it.")
 
 
 def _check_resumable(done: dict[tuple[str, str], dict[str, str]], target: str, mappers: dict[str, str],
@@ -111,7 +107,7 @@ def _check_resumable(done: dict[tuple[str, str], dict[str, str]], target: str, m
         for label, artifact in recorded.items():
             if t == target and label in mappers and mappers[label] != artifact:
                 raise ResumeMismatchError(f"{path} holds rows measured with {label} mapper {artifact} ({item}, {target}); "
-                                   f"this run's is {mappers[label]}. Use another --out, or delete the file to redo it.")
+                                          f"this run's is {mappers[label]}. Use another --out, or delete the file to redo it.")
 
 
 def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, source: str = "smollm2-135m",
@@ -141,16 +137,18 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
 
     host = host_info()  # before the run loads the machine itself
     out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / RESULTS
+    # Refuse a mismatched resume before the store build, which costs minutes.
+    finished = _finished_rows(results_path)
+    _check_budget(finished, max_new_tokens, results_path)
+    _check_items(finished, items, results_path)
+    done = {key: row.get("mappers", {}) for key, row in finished.items()}
     built = store is None
     if built:
         store = out_dir / "store"
         with build_progress("cag eval: store") if progress else nullcontext({}) as kw:
             dtype = build_eval_store(items, store, source, chunk_tokens=chunk_tokens, embedder=embedder,
                                      dtype=dtype, **kw).dtype
-    results_path = out_dir / RESULTS
-    _check_budget(results_path, max_new_tokens)
-    _check_items(results_path, items)
-    done = _done(results_path)
     notes: list[str] = []
     total = len(items) * len(targets)
     count = len([1 for i in items for t in targets if (i.id, t) in done])
