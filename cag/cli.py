@@ -613,7 +613,8 @@ def eval_cmd(
     store: Annotated[Path | None, typer.Option(help="A built store (for questions without documents).")] = None,
     source: Annotated[str, typer.Option(help="Source model of the store built for the questions.")] = "smollm2-135m",
     targets: Annotated[list[str] | None, typer.Option("--targets", help="Answering models (repeatable).")] = None,
-    methods: Annotated[list[str] | None, typer.Option("--methods", help="Mapper methods (repeatable).")] = None,
+    methods: Annotated[list[str] | None, typer.Option("--methods", help="Mapper methods or artifact folders "
+                       "(repeatable); a folder's rows are labelled method@artifact, beside the shipped one.")] = None,
     limit: Annotated[int | None, typer.Option(help="Questions per dataset.")] = None,
     profile: Annotated[str, typer.Option(help="quick (a few minutes) or full (hours).")] = "quick",
     top_k: Annotated[int, typer.Option("--top-k", min=1)] = 4,

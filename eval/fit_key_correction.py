@@ -53,6 +53,8 @@ from cag.context import CachedContext  # noqa: E402
 from mappers.bottleneck import corrected_keys, direct_features, split_residual  # noqa: E402  (the runtime's own)
 
 SEED_BASE = 700  # calib-needle seeds of this fit only (diagnosis 300, context mass 500)
+LOOKUP_SEED_BASE = 700  # calib-lookup seeds of this fit only (gate 0, APE and γ 1, repair 2, source heads 3, lab ≥ 100 as text)
+LOOKUPS_PER_SEED = 48   # of a pool's 60 questions: more pools, more distinct distractor sets
 
 
 def training_needles(length: int, n: int, tokenizer, material: str = "facts") -> list:
@@ -61,6 +63,31 @@ def training_needles(length: int, n: int, tokenizer, material: str = "facts") ->
     from eval.lab.data import training_essays
 
     return needles(length, n, tokenizer, seed_base=SEED_BASE, essays=training_essays(), material=material)
+
+
+def training_lookups(n: int) -> list:
+    """`n` multi-document calibration lookups (pools of `calib-lookup` seeds 700, 701, ...): the question
+    retrieves its top chunks from its own pool, where facts of the same shape sit in other documents,
+    the confusion `synthetic-kb` shows and the needles never do."""
+    from eval.calibration_lookup import calibration_lookup
+
+    items, seed = [], LOOKUP_SEED_BASE
+    while len(items) < n:
+        items += calibration_lookup(seed=seed)[:min(LOOKUPS_PER_SEED, n - len(items))]
+        seed += 1
+    return items
+
+
+def end_of_turn_id(lm, asm) -> int | None:
+    """The token a chat answer ends with (Qwen's ``<|im_end|>``, Gemma's ``<end_of_turn>``, else EOS);
+    None for a plain layout, whose answers end with no one token."""
+    if not asm.layout.chat:
+        return None
+    vocab = lm.tokenizer.get_vocab()
+    for marker in ("<|im_end|>", "<end_of_turn>"):
+        if marker in vocab:
+            return int(vocab[marker])
+    return lm.tokenizer.eos_token_id
 
 
 @contextmanager
@@ -78,20 +105,40 @@ def key_correction_off(mapper):
             del mapper.settings["key_correction_rank"]
 
 
-@torch.no_grad()  # not inference_mode: the fit backpropagates through these keys
-def translated_context(ctx: CachedContext, item, *, token_window: int = 0) -> dict:
-    """Position-free K/V ``[L, H, T, D]`` of prompt head + the item's translated chunks, in order, the
-    keys before the artifact's key correction; with ``token_window`` > 0 also the target's direct-path
-    features of the translated tokens (`mappers.bottleneck.direct_features`, centred as the artifact's
-    token residual centres them), which the token part of the correction reads."""
+def placed_chunks(ctx: CachedContext, item) -> tuple[list, list[float] | None]:
+    """The item's translated chunks as a query places them, and their keys' rank factors: a
+    ``retrieve`` item's top chunks from its own documents, best first, with the path's served rank
+    key decay (which multiplies the keys after the correction); any other item's documents whole,
+    in order, unscaled (whole documents tie, and ties are not decayed)."""
+    import warnings
+
+    from cag.context import Timings
     from eval.diagnose_length import translated_chunks
 
+    if item.context != "retrieve":
+        return translated_chunks(ctx, item)[0], None
+    hits = ctx._order(ctx.retrieve(item.question, doc_ids=[d.id for d in item.documents]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "translated path below the gate": this fit measures it
+        chunks, used = ctx._target_chunks(hits, Timings(), [])
+    return chunks, ctx.rank_key_scales(used)
+
+
+@torch.no_grad()  # not inference_mode: the fit backpropagates through these keys
+def translated_context(ctx: CachedContext, item, *, token_window: int = 0) -> dict:
+    """Position-free K/V ``[L, H, T, D]`` of prompt head + the item's translated chunks as placed
+    (`placed_chunks`), the keys before the artifact's key correction, and each context token's rank
+    factor (``scale``, applied after it); with ``token_window`` > 0 also the target's direct-path
+    features of the translated tokens (`mappers.bottleneck.direct_features`, centred as the artifact's
+    token residual centres them), which the token part of the correction reads."""
     _, mapper, asm = ctx._ready()
     with key_correction_off(mapper):
-        chunks, _ = translated_chunks(ctx, item)
+        chunks, factors = placed_chunks(ctx, item)
     prefix = asm.prefix()
+    factors = factors or [1.0] * len(chunks)
     placed = {"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
               "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
+              "scale": torch.cat([torch.full((c.keys.shape[2],), float(f)) for c, f in zip(chunks, factors)]),
               "n_prefix": prefix.num_tokens, "question": item.question, "answer": item.answers[0]}
     if token_window:
         mean_f = mapper.weights["tok_mean_f"]
@@ -120,12 +167,15 @@ def answer_nll(lm, asm, placed: dict, w: dict) -> torch.Tensor:
     if "u" in w:
         dk, dv = token_delta(placed["features"], w, keys.shape[1])
         keys, values = keys + dk, values + dv
-    keys = torch.cat([placed["keys"][:, :, :n], corrected_keys(keys, w["a"], w["b"])], 2)  # the head stays native
+    keys = corrected_keys(keys, w["a"], w["b"]) * placed["scale"][:, None]   # the rank decay acts after the correction
+    keys = torch.cat([placed["keys"][:, :, :n], keys], 2)  # the head stays native
     values = torch.cat([placed["values"][:, :, :n], values], 2)
     rotated = lm.adapter.rotate(keys.to(lm.dtype), torch.arange(keys.shape[2]))
     cache = lm.adapter.fill_cache(rotated, values.to(lm.dtype))
     q = asm.question_ids(placed["question"])
     gold = lm.tokenize(placed["answer"] if asm.layout.chat else " " + placed["answer"])[0]
+    if placed.get("end_id") is not None:  # the answer ends the turn: teaches the map's keys to let it stop
+        gold = torch.cat([gold, torch.tensor([placed["end_id"]])])
     hidden = lm.model.model(input_ids=torch.cat([q, gold[:-1]])[None], past_key_values=cache,
                             use_cache=True).last_hidden_state
     return torch.nn.functional.cross_entropy(lm.model.lm_head(hidden[0, -gold.numel():]).float(), gold)
@@ -233,7 +283,7 @@ def export(source: str, target: str, method: str, out: Path, tag: str = "") -> i
     fold_into(mapper, weights)
     mapper.fitted_on["key_correction"] = {k: meta[k] for k in ("command", "date", "host", "mapper_artifact", "rank",
                                                              "token_rank", "lengths", "n_per_length", "material",
-                                                             "seed_base",
+                                                             "seed_base", "lookups", "lookup_seed_base", "teach_stop",
                                                              "history") if k in meta}
     # Lookup records were measured without the correction; they are measured again, not carried over.
     mapper.fidelity = {k: v for k, v in mapper.fidelity.items() if k not in ("lab_lookup", "lookup", "lookup_repair")}
@@ -286,6 +336,13 @@ def main(argv=None) -> int:
                     "measured again (eval/gate_fidelity.py, translation_lab.py run --variants shipped)")
     ap.add_argument("--record-lab", type=Path, metavar="RESULT", help="write a `translation_lab.py run --variants "
                     "shipped` result (eval/results/lab/...json) into the shipped card as its lab_lookup record")
+    ap.add_argument("--lookups", type=int, default=0, metavar="N", help="also N multi-document calibration lookups "
+                    "(calib-lookup seeds 700, 701, ...: top chunks retrieved from the question's own pool, placed "
+                    "best first with the path's served rank key decay), where same-shaped facts in other chunks "
+                    "compete; --n 0 fits on them alone")
+    ap.add_argument("--teach-stop", action="store_true", help="the teacher-forced answer ends with the chat turn's "
+                    "end token: a correction fitted on the answer alone learned to find it and not to stop "
+                    "(eval/results/key_correction/README.md, copy loops like 'Mudra Mudra Mudra')")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.export:
@@ -295,7 +352,10 @@ def main(argv=None) -> int:
 
     lm = registry.load(args.target, "auto")
     items = [it for length in args.lengths for m in args.material
-             for it in training_needles(length, args.n, lm.tokenizer, m)]
+             for it in training_needles(length, args.n, lm.tokenizer, m)] if args.n else []
+    items += training_lookups(args.lookups)
+    if not items:
+        raise SystemExit("nothing to fit on: --n 0 and no --lookups")
     ctx = measurement_context(items, args.out, args.source, args.target, args.method)
     _, mapper, asm = ctx._ready()
     start = None
@@ -310,6 +370,10 @@ def main(argv=None) -> int:
         for it in items:
             placed.append(translated_context(ctx, it, token_window=window))
             bar.advance(1)
+    if args.teach_stop:
+        end = end_of_turn_id(lm, asm)
+        for p in placed:
+            p["end_id"] = end
     # Hold out every fourth item (all lengths represented) to choose the epoch.
     held = [p for i, p in enumerate(placed) if i % 4 == 3]
     train = [p for i, p in enumerate(placed) if i % 4 != 3]
@@ -330,6 +394,7 @@ def main(argv=None) -> int:
             "mapper_artifact": getattr(mapper, "artifact_id", args.method), "rank": args.rank,
             "token_rank": args.token_rank, "started_from_artifact_correction": start is not None,
             "lengths": args.lengths, "n_per_length": args.n, "material": args.material,
+            "lookups": args.lookups, "lookup_seed_base": LOOKUP_SEED_BASE, "teach_stop": args.teach_stop,
             "train_items": len(train), "held_items": len(held),
             "seed_base": SEED_BASE, "lr": args.lr, "token_lr": args.token_lr, "l2": args.l2, "history": history,
             "tag": args.tag, "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -110,6 +110,14 @@ def _check_resumable(done: dict[tuple[str, str], dict[str, str]], target: str, m
                                           f"this run's is {mappers[label]}. Use another --out, or delete the file to redo it.")
 
 
+def condition_label(method: str, mapper) -> str:
+    """The name of a translated condition: the mapper's method, and for an artifact folder (the map a
+    refit replaced, say) its artifact id too, so it is measured beside the shipped one of that method."""
+    if not os.path.isdir(method):
+        return mapper.method
+    return f"{mapper.method}@{getattr(mapper, 'artifact_id', None) or Path(method).name}"
+
+
 def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, source: str = "smollm2-135m",
              targets: Sequence[str] = ("qwen2.5-0.5b", "gemma3-270m"), methods: Sequence[str] = ("auto",),
              top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
@@ -171,7 +179,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
             for method in methods:
                 ctx = CachedContext(mapper=method, translated_key_scale=translated_key_scale, **settings)
                 try:
-                    label = ctx.active_mapper.method
+                    label = condition_label(method, ctx.active_mapper)
                 except (MapperNotFoundError, ValueError) as exc:
                     notes.append(f"{target}: no {method!r} mapper from the store's source ({exc.__class__.__name__})")
                     continue

@@ -262,6 +262,7 @@ def _placed(mapper, llama, target, texts, asm, token_window=0):
         chunks = mapper.translate_batch([llama.prefill(t) for t in texts[i:i + 2]], texts[i:i + 2], target)
         item = {"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
                 "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
+                "scale": torch.ones(sum(c.keys.shape[2] for c in chunks)),
                 "n_prefix": prefix.num_tokens, "question": f"What is item {i}?", "answer": texts[i].split()[3]}
         if token_window:
             mean_f = mapper.weights["tok_mean_f"]
@@ -287,6 +288,52 @@ def test_the_key_correction_fit_lowers_the_answer_nll_on_a_tiny_pair(fitted, lla
     weights = initial_weights(gemma2tok, rank=2)
     _, history = fit(gemma2tok, asm, items, items, weights, epochs=3, lr=0.02, l2=0.0)
     assert history[0]["held_nll"] > history[-2]["held_nll"] + 0.01
+
+
+def test_the_fit_scores_keys_scaled_by_their_chunks_rank_factor(fitted, llama, gemma2tok, texts):
+    """A retrieved item's chunk keys carry the served rank decay (γ**rank, applied after the
+    correction); the fit's NLL reads them scaled, exactly as if the keys had been scaled beforehand."""
+    from eval.fit_key_correction import answer_nll, initial_weights
+
+    _, mapper = fitted
+    asm = _assembler(gemma2tok)
+    item = _placed(mapper, llama, gemma2tok, texts, asm)[0]
+    weights = {k: t.detach() for k, t in initial_weights(gemma2tok, rank=2).items()}
+    n, t = item["n_prefix"], item["scale"].numel()
+    decayed = {**item, "scale": torch.where(torch.arange(t) < t // 2, 1.0, 0.5)}
+    prescaled = {**item, "keys": torch.cat([item["keys"][:, :, :n], item["keys"][:, :, n:] * decayed["scale"][:, None]], 2)}
+    with torch.no_grad():
+        plain, scaled, by_hand = (float(answer_nll(gemma2tok, asm, it, weights)) for it in (item, decayed, prescaled))
+    assert abs(scaled - plain) > 1e-4          # the factor is read
+    assert abs(scaled - by_hand) < 1e-4        # as a factor on the placed keys
+
+
+def test_teaching_the_stop_scores_the_turns_end_token_after_the_answer(fitted, llama, gemma2tok, texts):
+    """`--teach-stop`: the teacher-forced answer ends with the end-of-turn token, so the NLL is over one
+    more token, and the fit lowers it; the token is the chat format's own marker (else EOS, never on a
+    plain layout)."""
+    from types import SimpleNamespace
+
+    from eval.fit_key_correction import answer_nll, end_of_turn_id, fit, initial_weights
+
+    _, mapper = fitted
+    asm = _assembler(gemma2tok)
+    items = _placed(mapper, llama, gemma2tok, texts, asm)
+    stopping = [{**it, "end_id": 1} for it in items]
+    weights = initial_weights(gemma2tok, rank=2)
+    with torch.no_grad():
+        assert float(answer_nll(gemma2tok, asm, stopping[0], weights)) != float(answer_nll(gemma2tok, asm, items[0], weights))
+    _, history = fit(gemma2tok, asm, stopping, stopping, weights, epochs=4, lr=0.05, l2=0.0)
+    assert history[0]["held_nll"] > history[-2]["held_nll"] + 0.01
+
+    def lm(vocab, eos=0):
+        return SimpleNamespace(tokenizer=SimpleNamespace(get_vocab=lambda: vocab, eos_token_id=eos))
+
+    chat, plain = SimpleNamespace(layout=SimpleNamespace(chat=True)), SimpleNamespace(layout=SimpleNamespace(chat=False))
+    assert end_of_turn_id(lm({"<|im_end|>": 7, "a": 1}), chat) == 7
+    assert end_of_turn_id(lm({"<end_of_turn>": 106}), chat) == 106
+    assert end_of_turn_id(lm({"a": 1}, eos=2), chat) == 2
+    assert end_of_turn_id(lm({"<|im_end|>": 7}), plain) is None
 
 
 def _with_token_residual(mapper, target, window, seed=3):

@@ -84,6 +84,18 @@ def test_run_eval_writes_report_and_resumes(setup, tmp_path):
     assert again["rows"] == len(items)
 
 
+def test_an_artifact_folder_is_measured_under_its_own_label(tmp_path):
+    """`--methods FOLDER`: the replaced map's rows stand beside the shipped map of the same method."""
+    from types import SimpleNamespace
+
+    from eval.run import condition_label
+
+    mapper = SimpleNamespace(method="bottleneck", artifact_id="5f29070010f62802")
+    assert condition_label("bottleneck", mapper) == "bottleneck"
+    assert condition_label(str(tmp_path), mapper) == "bottleneck@5f29070010f62802"
+    assert condition_label(str(tmp_path), SimpleNamespace(method="ridge")) == f"ridge@{tmp_path.name}"
+
+
 def _small_run(model: str) -> dict:
     """`run_eval` arguments for a resume test: one tiny model, answers of two tokens."""
     return dict(source=model, targets=[model], methods=["identity"], top_k=2, max_new_tokens=2, chunk_tokens=32,
