@@ -86,3 +86,16 @@ def test_length_needles_by_material_come_from_the_held_out_essays(tiny):
         assert " ".join(item.documents[0].text.split(" ")[:8]) in held  # the window before the planted fact
     with pytest.raises(KeyError):
         needles(1024, 1, tiny.tokenizer, material="passphrases")
+
+
+def test_the_key_correction_fits_on_lookups_no_gate_or_calibration_seed_reads():
+    """`fit_key_correction.py --lookups N`: retrieve-mode items from pools of their own (seeds 700+),
+    never the gate's (0), APE's and γ's (1), the repair ablation's (2) or the source heads' (3)."""
+    from eval.fit_key_correction import training_lookups
+
+    items = training_lookups(60)
+    assert len(items) == 60 and all(it.context == "retrieve" for it in items)
+    assert {it.id.split("-")[2] for it in items} == {"s700", "s701"}   # 48 a pool, then the next
+    fitted = {d.text for it in items for d in it.documents}
+    for seed in range(4):
+        assert not fitted & {d.text for d in calibration_lookup(seed=seed)[0].documents}
