@@ -41,7 +41,10 @@ class Generation:
 _STOP_IDS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], frozenset[int]]]" = weakref.WeakKeyDictionary()
 
 
-def stop_token_ids(tokenizer, extra: Iterable[str] = ("<|im_end|>", "<end_of_turn>", "<|endoftext|>")) -> set[int]:
+CHAT_TURN_ENDS = ("<|im_end|>", "<end_of_turn>")  # what a chat answer ends with: Qwen/SmolLM2's, Gemma's
+
+
+def stop_token_ids(tokenizer, extra: Iterable[str] = (*CHAT_TURN_ENDS, "<|endoftext|>")) -> set[int]:
     """The EOS id plus the end-of-turn markers of the chat formats we know, where the vocabulary has them.
 
     Once per tokenizer: its vocabulary dict takes 0.24 s to build for Qwen2.5's 151k tokens,

@@ -148,10 +148,10 @@ def conditions(natives: list[KVChunk], translated: list[KVChunk], needle: int | 
     return out
 
 
-def translated_chunks(ctx: CachedContext, item) -> tuple[list[KVChunk], list]:
-    """The item's documents' chunks as the query path translates them (no stored translations,
-    no LRU in these scripts' contexts), and their hits, in document order."""
-    hits = ctx.document_hits([d.id for d in item.documents])
+def translated_chunks(ctx: CachedContext, item, hits: list | None = None) -> tuple[list[KVChunk], list]:
+    """The chunks of ``hits`` (default: the item's documents whole, in document order) as the query
+    path translates them (no stored translations, no LRU in these scripts' contexts), and their hits."""
+    hits = hits if hits is not None else ctx.document_hits([d.id for d in item.documents])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "translated path below the gate": these scripts measure it
         return ctx._target_chunks(hits, Timings(), [])

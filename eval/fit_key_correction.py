@@ -83,8 +83,10 @@ def end_of_turn_id(lm, asm) -> int | None:
     None for a plain layout, whose answers end with no one token."""
     if not asm.layout.chat:
         return None
+    from cag.generate import CHAT_TURN_ENDS
+
     vocab = lm.tokenizer.get_vocab()
-    for marker in ("<|im_end|>", "<end_of_turn>"):
+    for marker in CHAT_TURN_ENDS:
         if marker in vocab:
             return int(vocab[marker])
     return lm.tokenizer.eos_token_id
@@ -106,21 +108,16 @@ def key_correction_off(mapper):
 
 
 def placed_chunks(ctx: CachedContext, item) -> tuple[list, list[float] | None]:
-    """The item's translated chunks as a query places them, and their keys' rank factors: a
-    ``retrieve`` item's top chunks from its own documents, best first, with the path's served rank
-    key decay (which multiplies the keys after the correction); any other item's documents whole,
-    in order, unscaled (whole documents tie, and ties are not decayed)."""
-    import warnings
-
-    from cag.context import Timings
+    """The item's translated chunks as a query places them, and their keys' rank factors (the path's
+    served rank key decay, which multiplies the keys after the correction): a ``retrieve`` item's top
+    chunks from its own documents, best first; any other item's documents whole, in order (they tie,
+    and ties are not decayed)."""
     from eval.diagnose_length import translated_chunks
 
-    if item.context != "retrieve":
-        return translated_chunks(ctx, item)[0], None
-    hits = ctx._order(ctx.retrieve(item.question, doc_ids=[d.id for d in item.documents]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "translated path below the gate": this fit measures it
-        chunks, used = ctx._target_chunks(hits, Timings(), [])
+    hits = None
+    if item.context == "retrieve":
+        hits = ctx._order(ctx.retrieve(item.question, doc_ids=[d.id for d in item.documents]))
+    chunks, used = translated_chunks(ctx, item, hits)
     return chunks, ctx.rank_key_scales(used)
 
 
