@@ -26,6 +26,13 @@ which is what copying a name or number out of the context reads. It has the resi
 `--export` folds it into ``tok_w``/``tok_mean_r``. A fit on an artifact that already carries a key
 correction continues it (A, B start there) instead of stacking a second one.
 
+``--repair R --repair-select S --translated-key-scale A`` fits on the path the gate serves instead of the
+plain one: each item's translated keys are multiplied by A and the crux the path recomputes (R of the
+context, chosen by S) replaces their translations, recomputed once with the starting correction. A
+correction fitted on the plain path draws the question into the translated keys and away from that
+crux (into Qwen2.5 it found more plain lookups and copied fewer codes on the served path,
+eval/results/gate-kc-lookups/).
+
 Material: needles planted in the lab's **training** essays (seeds 700 +
 length; `eval/diagnose_length.py` tests on the held-out essays, seeds 300 +
 length). The last quarter of the items is held out of the fit and picks the
@@ -118,25 +125,66 @@ def placed_chunks(ctx: CachedContext, item) -> tuple[list, list[float] | None]:
     if item.context == "retrieve":
         hits = ctx._order(ctx.retrieve(item.question, doc_ids=[d.id for d in item.documents]))
     chunks, used = translated_chunks(ctx, item, hits)
-    return chunks, ctx.rank_key_scales(used)
+    return chunks, used, ctx.rank_key_scales(used)
+
+
+def served_crux(ctx: CachedContext, chunks: list, used: list, question: str, repair: dict,
+                start: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The crux the served ``+repair`` path recomputes for this question: its context positions, chosen
+    outside the target as the runtime chooses them (`CachedContext._guided_positions`), and their K/V
+    as `recomputed_crux` computes them with the starting correction."""
+    _, _, asm = ctx._ready()
+    positions = ctx._guided_positions(question, chunks, used, asm, ratio=repair["ratio"], select=repair["select"])
+    return recomputed_crux(asm, chunks, positions, key_scale=repair.get("translated_key_scale", 1.0), start=start)
+
+
+@torch.no_grad()
+def recomputed_crux(asm, chunks: list, positions: torch.Tensor, *, key_scale: float = 1.0,
+                    start: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """(positions, keys, values): the target's K/V (rotated) of the context `positions`, recomputed as
+    `Assembler.place` recomputes them, attending to the prompt head and to the translated ``chunks``
+    (their keys position-free, before any key correction) corrected by ``start`` and multiplied by
+    ``key_scale``. The fit holds them fixed while it learns the keys around them: a crux recomputed
+    at every step would cost a partial prefill per step."""
+    lm = asm.target
+    prefix = asm.prefix()
+    keys = torch.cat([c.keys for c in chunks], 2).float()
+    if start is not None:
+        keys = corrected_keys(keys, start[0].float(), start[1].float())
+    keys = torch.cat([prefix.keys.float(), keys * key_scale], 2).to(lm.dtype)
+    values = torch.cat([prefix.values, *[c.values for c in chunks]], 2).to(lm.dtype)
+    rotated = lm.adapter.rotate(keys, torch.arange(keys.shape[2]))
+    context_ids = torch.cat([prefix.token_ids, *[c.token_ids for c in chunks]])
+    positions = torch.sort(torch.unique(positions.to(torch.long))).values
+    with asm.model_lock:
+        new_keys, new_values = asm._recompute(rotated, values, context_ids, positions)
+    return positions, new_keys[:, :, positions].clone(), new_values[:, :, positions].clone()
 
 
 @torch.no_grad()  # not inference_mode: the fit backpropagates through these keys
-def translated_context(ctx: CachedContext, item, *, token_window: int = 0) -> dict:
+def translated_context(ctx: CachedContext, item, *, token_window: int = 0, repair: dict | None = None) -> dict:
     """Position-free K/V ``[L, H, T, D]`` of prompt head + the item's translated chunks as placed
     (`placed_chunks`), the keys before the artifact's key correction, and each context token's rank
     factor (``scale``, applied after it); with ``token_window`` > 0 also the target's direct-path
     features of the translated tokens (`mappers.bottleneck.direct_features`, centred as the artifact's
-    token residual centres them), which the token part of the correction reads."""
+    token residual centres them), which the token part of the correction reads. With ``repair``
+    (``{"ratio", "select", "translated_key_scale"}``: a gate ``+repair`` setting) the item is placed as
+    that path serves it: the translated keys multiplied by the key scale, and the crux the path
+    recomputes (`served_crux`) in place of their translations."""
     _, mapper, asm = ctx._ready()
     with key_correction_off(mapper):
-        chunks, factors = placed_chunks(ctx, item)
+        chunks, used, factors = placed_chunks(ctx, item)
     prefix = asm.prefix()
     factors = factors or [1.0] * len(chunks)
     placed = {"keys": torch.cat([prefix.keys, *[c.keys for c in chunks]], 2).float(),
               "values": torch.cat([prefix.values, *[c.values for c in chunks]], 2).float(),
               "scale": torch.cat([torch.full((c.keys.shape[2],), float(f)) for c, f in zip(chunks, factors)]),
               "n_prefix": prefix.num_tokens, "question": item.question, "answer": item.answers[0]}
+    if repair is not None:
+        start = (mapper.weights["key_a"], mapper.weights["key_b"]) if getattr(mapper, "key_correction_rank", 0) \
+            else None
+        placed["key_scale"] = float(repair.get("translated_key_scale", 1.0))
+        placed["crux"] = served_crux(ctx, chunks, used, item.question, repair, start)
     if token_window:
         mean_f = mapper.weights["tok_mean_f"]
         # bf16 on purpose: 24 KB a token for Qwen2.5 instead of 49, and only the correction reads it
@@ -164,11 +212,18 @@ def answer_nll(lm, asm, placed: dict, w: dict) -> torch.Tensor:
     if "u" in w:
         dk, dv = token_delta(placed["features"], w, keys.shape[1])
         keys, values = keys + dk, values + dv
-    keys = corrected_keys(keys, w["a"], w["b"]) * placed["scale"][:, None]   # the rank decay acts after the correction
+    keys = corrected_keys(keys, w["a"], w["b"]) * placed.get("key_scale", 1.0)  # a +repair path's α
     keys = torch.cat([placed["keys"][:, :, :n], keys], 2)  # the head stays native
-    values = torch.cat([placed["values"][:, :, :n], values], 2)
+    values = torch.cat([placed["values"][:, :, :n], values], 2).to(lm.dtype)
     rotated = lm.adapter.rotate(keys.to(lm.dtype), torch.arange(keys.shape[2]))
-    cache = lm.adapter.fill_cache(rotated, values.to(lm.dtype))
+    if "crux" in placed:  # the recomputed tokens replace their translations (fixed: no gradient)
+        at, crux_keys, crux_values = placed["crux"]
+        rotated = rotated.index_copy(2, at, crux_keys.to(lm.dtype))
+        values = values.index_copy(2, at, crux_values.to(lm.dtype))
+    # The rank decay multiplies whole chunks after the correction and the recompute, as `Assembler.place`
+    # does; rotation is linear per position, so scaling the rotated keys is the same.
+    rotated = rotated * torch.cat([torch.ones(n), placed["scale"]]).to(lm.dtype)[:, None]
+    cache = lm.adapter.fill_cache(rotated, values)
     q = asm.question_ids(placed["question"])
     gold = lm.tokenize(placed["answer"] if asm.layout.chat else " " + placed["answer"])[0]
     if placed.get("end_id") is not None:  # the answer ends the turn: teaches the map's keys to let it stop
@@ -281,7 +336,7 @@ def export(source: str, target: str, method: str, out: Path, tag: str = "") -> i
     mapper.fitted_on["key_correction"] = {k: meta[k] for k in ("command", "date", "host", "mapper_artifact", "rank",
                                                              "token_rank", "lengths", "n_per_length", "material",
                                                              "seed_base", "lookups", "lookup_seed_base", "teach_stop",
-                                                             "history") if k in meta}
+                                                             "repair", "history") if k in meta}
     # Lookup records were measured without the correction; they are measured again, not carried over.
     mapper.fidelity = {k: v for k, v in mapper.fidelity.items() if k not in ("lab_lookup", "lookup", "lookup_repair")}
     mapper.save(folder)
@@ -337,6 +392,12 @@ def main(argv=None) -> int:
                     "(calib-lookup seeds 700, 701, ...: top chunks retrieved from the question's own pool, placed "
                     "best first with the path's served rank key decay), where same-shaped facts in other chunks "
                     "compete; --n 0 fits on them alone")
+    ap.add_argument("--repair", type=float, default=0.0, metavar="RATIO", help="fit on the served +repair path: "
+                    "each item placed with this share of its context recomputed by the target (the crux, chosen by "
+                    "--repair-select with the starting correction, held fixed while fitting) and the translated keys "
+                    "multiplied by --translated-key-scale; 0: the plain translated path")
+    ap.add_argument("--repair-select", default="source_retriever")
+    ap.add_argument("--translated-key-scale", type=float, default=1.0)
     ap.add_argument("--teach-stop", action="store_true", help="the teacher-forced answer ends with the chat turn's "
                     "end token: a correction fitted on the answer alone learned to find it and not to stop "
                     "(eval/results/key_correction/README.md, copy loops like 'Mudra Mudra Mudra')")
@@ -362,10 +423,12 @@ def main(argv=None) -> int:
     window = mapper.token_window if args.token_rank else 0
     if args.token_rank and not mapper.token_residual:
         raise SystemExit(f"{args.method} artifact has no token residual for --token-rank to change")
+    repair = {"ratio": args.repair, "select": args.repair_select,
+              "translated_key_scale": args.translated_key_scale} if args.repair > 0 else None
     with Progress("translating", total=len(items), unit="items", interval_s=20) as bar:
         placed = []
         for it in items:
-            placed.append(translated_context(ctx, it, token_window=window))
+            placed.append(translated_context(ctx, it, token_window=window, repair=repair))
             bar.advance(1)
     if args.teach_stop:
         end = end_of_turn_id(lm, asm)
@@ -392,6 +455,7 @@ def main(argv=None) -> int:
             "token_rank": args.token_rank, "started_from_artifact_correction": start is not None,
             "lengths": args.lengths, "n_per_length": args.n, "material": args.material,
             "lookups": args.lookups, "lookup_seed_base": LOOKUP_SEED_BASE, "teach_stop": args.teach_stop,
+            "repair": repair,
             "train_items": len(train), "held_items": len(held),
             "seed_base": SEED_BASE, "lr": args.lr, "token_lr": args.token_lr, "l2": args.l2, "history": history,
             "tag": args.tag, "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -336,6 +336,58 @@ def test_teaching_the_stop_scores_the_turns_end_token_after_the_answer(fitted, l
     assert end_of_turn_id(lm({"<|im_end|>": 7}), plain) is None
 
 
+def test_the_fits_crux_is_what_the_served_repair_path_recomputes(fitted, llama, gemma2tok, texts):
+    """`--repair`: the crux K/V the fit holds fixed equal `Assembler.place`'s recompute of the same
+    positions over the same translated chunks, their keys multiplied by the path's α."""
+    from dataclasses import replace
+
+    from eval.fit_key_correction import recomputed_crux
+
+    _, mapper = fitted
+    asm = _assembler(gemma2tok)
+    chunks = mapper.translate_batch([llama.prefill(t) for t in texts[:2]], texts[:2], gemma2tok)
+    n = asm.prefix().num_tokens
+    positions = torch.tensor([n + 1, n + 2, n + 5, n + chunks[0].num_tokens + 3])
+    at, keys, values = recomputed_crux(asm, chunks, positions, key_scale=0.5)
+    placed = asm.place([replace(c, keys=c.keys * 0.5) for c in chunks], recompute_ratio=0.1,
+                       recompute_select="retriever", positions=positions)
+    assert placed.recomputed_tokens == 4 and torch.equal(at, positions)
+    total, full = placed.context_ids.numel(), 0
+    for i, layer in enumerate(placed.cache.layers):
+        offset = total - layer.keys.shape[-2]          # a sliding layer keeps only its window's tail
+        seen = positions >= offset
+        full += int(offset == 0)
+        torch.testing.assert_close(keys[i][:, seen], layer.keys[0][:, positions[seen] - offset].to(keys.dtype))
+        torch.testing.assert_close(values[i][:, seen], layer.values[0][:, positions[seen] - offset].to(values.dtype))
+    assert full > 0
+
+
+def test_the_fit_on_the_repair_path_reads_the_crux_and_the_key_scale_and_lowers_the_nll(fitted, llama, gemma2tok,
+                                                                                      texts):
+    """A crux equal to the placed translations changes nothing; another one, or α, changes the NLL;
+    the fit still lowers it with the crux held fixed."""
+    from eval.fit_key_correction import answer_nll, fit, initial_weights
+
+    _, mapper = fitted
+    asm = _assembler(gemma2tok)
+    items = _placed(mapper, llama, gemma2tok, texts, asm)
+    n = items[0]["n_prefix"]
+    at = torch.tensor([n + 2, n + 3, n + 4])
+    own = gemma2tok.adapter.rotate(items[0]["keys"].to(gemma2tok.dtype), torch.arange(items[0]["keys"].shape[2]))
+    same = {**items[0], "crux": (at, own[:, :, at], items[0]["values"][:, :, at])}
+    other = {**items[0], "crux": (at, 3 * own[:, :, at], -items[0]["values"][:, :, at])}
+    scaled = {**items[0], "key_scale": 0.5}
+    weights = initial_weights(gemma2tok, rank=2)
+    with torch.no_grad():
+        plain, kept, moved, halved = (float(answer_nll(gemma2tok, asm, it, weights))
+                                      for it in (items[0], same, other, scaled))
+    assert abs(kept - plain) < 1e-4
+    assert abs(moved - plain) > 1e-3 and abs(halved - plain) > 1e-4
+    crux_items = [{**it, "crux": (at, 3 * own[:, :, at], -it["values"][:, :, at])} for it in items]
+    _, history = fit(gemma2tok, asm, crux_items, crux_items, weights, epochs=4, lr=0.05, l2=0.0)
+    assert history[0]["held_nll"] > history[-2]["held_nll"] + 0.01
+
+
 def _with_token_residual(mapper, target, window, seed=3):
     fp = target.fingerprint
     hd = fp.num_kv_heads * fp.head_dim
