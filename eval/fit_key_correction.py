@@ -99,6 +99,13 @@ def end_of_turn_id(lm, asm) -> int | None:
     return lm.tokenizer.eos_token_id
 
 
+def artifact_correction(mapper) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The artifact's own key correction (A, B), or None if it has none."""
+    if not getattr(mapper, "key_correction_rank", 0):
+        return None
+    return mapper.weights["key_a"], mapper.weights["key_b"]
+
+
 @contextmanager
 def key_correction_off(mapper):
     """Translate with the map alone: the fit starts from the artifact's correction, not on top of it."""
@@ -114,8 +121,8 @@ def key_correction_off(mapper):
             del mapper.settings["key_correction_rank"]
 
 
-def placed_chunks(ctx: CachedContext, item) -> tuple[list, list[float] | None]:
-    """The item's translated chunks as a query places them, and their keys' rank factors (the path's
+def placed_chunks(ctx: CachedContext, item) -> tuple[list, list, list[float] | None]:
+    """The item's translated chunks as a query places them, their hits, and their keys' rank factors (the path's
     served rank key decay, which multiplies the keys after the correction): a ``retrieve`` item's top
     chunks from its own documents, best first; any other item's documents whole, in order (they tie,
     and ties are not decayed)."""
@@ -155,7 +162,7 @@ def recomputed_crux(asm, chunks: list, positions: torch.Tensor, *, key_scale: fl
     values = torch.cat([prefix.values, *[c.values for c in chunks]], 2).to(lm.dtype)
     rotated = lm.adapter.rotate(keys, torch.arange(keys.shape[2]))
     context_ids = torch.cat([prefix.token_ids, *[c.token_ids for c in chunks]])
-    positions = torch.sort(torch.unique(positions.to(torch.long))).values
+    positions = torch.unique(positions.to(torch.long))  # sorted, as the recompute reads them
     with asm.model_lock:
         new_keys, new_values = asm._recompute(rotated, values, context_ids, positions)
     return positions, new_keys[:, :, positions].clone(), new_values[:, :, positions].clone()
@@ -181,10 +188,8 @@ def translated_context(ctx: CachedContext, item, *, token_window: int = 0, repai
               "scale": torch.cat([torch.full((c.keys.shape[2],), float(f)) for c, f in zip(chunks, factors)]),
               "n_prefix": prefix.num_tokens, "question": item.question, "answer": item.answers[0]}
     if repair is not None:
-        start = (mapper.weights["key_a"], mapper.weights["key_b"]) if getattr(mapper, "key_correction_rank", 0) \
-            else None
         placed["key_scale"] = float(repair.get("translated_key_scale", 1.0))
-        placed["crux"] = served_crux(ctx, chunks, used, item.question, repair, start)
+        placed["crux"] = served_crux(ctx, chunks, used, item.question, repair, artifact_correction(mapper))
     if token_window:
         mean_f = mapper.weights["tok_mean_f"]
         # bf16 on purpose: 24 KB a token for Qwen2.5 instead of 49, and only the correction reads it
@@ -416,9 +421,8 @@ def main(argv=None) -> int:
         raise SystemExit("nothing to fit on: --n 0 and no --lookups")
     ctx = measurement_context(items, args.out, args.source, args.target, args.method)
     _, mapper, asm = ctx._ready()
-    start = None
-    if getattr(mapper, "key_correction_rank", 0):  # continue the artifact's correction, never stack a second
-        start = (mapper.weights["key_a"], mapper.weights["key_b"])
+    start = artifact_correction(mapper)  # continue the artifact's correction, never stack a second
+    if start is not None:
         args.rank = mapper.key_correction_rank
     window = mapper.token_window if args.token_rank else 0
     if args.token_rank and not mapper.token_residual:
