@@ -150,6 +150,12 @@ class Mapper(ABC):
                 raise TextMismatchError("the text passed does not hash to the chunk's text hash")
         return self._translate_batch(list(chunks), list(texts), target)
 
+    def repair_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys of translated chunks (``[L, H, T, D]``, as `translate_batch` gives them) for the ``+repair``
+        path, where the target recomputes a few context tokens among them: a method whose artifact carries
+        keys fitted on that path changes them here; the others serve what they translate."""
+        return keys
+
     @abstractmethod
     def _translate_batch(self, chunks: list[KVChunk], texts: list[str], target) -> list[KVChunk]:
         """Checked inputs → translated chunks."""

@@ -22,6 +22,17 @@ fitted through the frozen target on lookups among several translated chunks
 (`eval/fit_key_correction.py`): the rest of the map is fitted one token at a time
 and never sees translated neighbours match a question they should not.
 
+Optionally (``repair_key_correction_rank`` r₂ > 0), a second correction (A₂, B₂) of the same form,
+fitted on the ``+repair`` path, where the target recomputes the crux of the context among the
+translated keys (`eval/fit_key_correction.py --repair`): that path serves k + (k A₂) B₂ instead.
+The two paths want different keys: a correction fitted on the served path found 4 more of 30 gate
+lookups there and lost plain-path lookups, in both directions (eval/results/gate-kc-two-paths/).
+Translations are kept (LRU, stored translations) as the plain path serves them, so `repair_keys`
+maps them at placement, exactly (Woodbury):
+
+    k₂ = k₁ (I + A B)⁻¹ (I + A₂ B₂) = k₁ + (k₁ U) V,    U = [A₂, −A C],  V = [B₂; B (I + A₂ B₂)],
+    C = (I + B A)⁻¹                                     (rank r + r₂: 2·(r + r₂)·D multiply-adds a key)
+
 ``s`` restores each translated key channel's spread (ridge shrinks every channel
 toward its mean, and the few massive low-frequency rotary channels that carry
 lookups suffer most); values keep s = 1. z is the same for every target layer,
@@ -103,6 +114,19 @@ def corrected_keys(keys: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torc
     return keys + (keys @ a) @ b
 
 
+def repair_delta(a2: torch.Tensor, b2: torch.Tensor, a: torch.Tensor | None = None,
+                 b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, V) with ``k₁ + (k₁ U) V = k + (k A₂) B₂`` for every ``k₁ = k + (k A) B``: the plain path's
+    corrected keys → the ``+repair`` path's (A, B None: the plain path has no correction)."""
+    if a is None:
+        return a2, b2
+    a, b, a2, b2 = (t.double() for t in (a, b, a2, b2))
+    c = torch.linalg.inv(torch.eye(a.shape[-1], dtype=a.dtype) + b @ a)          # [L, H, r, r]
+    u = torch.cat([a2, -(a @ c)], -1)
+    v = torch.cat([b2, b + (b @ a2) @ b2], -2)
+    return u.float(), v.float()
+
+
 @register_mapper
 class BottleneckMapper(Mapper):
     method = "bottleneck"
@@ -111,6 +135,7 @@ class BottleneckMapper(Mapper):
         super().__init__(source, target, {"rank": 512, "storage_dtype": "float16", "compute_dtype": "float32",
                                           **(settings or {})})
         self.weights: dict[str, torch.Tensor] = {}
+        self._repair_deltas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by the plain correction's rank
 
     @property
     def num_features(self) -> int:
@@ -134,10 +159,27 @@ class BottleneckMapper(Mapper):
     def key_correction_rank(self) -> int:
         return int(self.settings.get("key_correction_rank", 0))  # artifacts before it: none
 
+    @property
+    def repair_key_correction_rank(self) -> int:
+        return int(self.settings.get("repair_key_correction_rank", 0))  # artifacts before it: none
+
+    def repair_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        if not self.repair_key_correction_rank:
+            return keys
+        rank = self.key_correction_rank  # 0 while the fit translates with the plain correction off
+        if rank not in self._repair_deltas:
+            w = self.weights
+            plain = (w["key_a"], w["key_b"]) if rank else (None, None)
+            self._repair_deltas[rank] = repair_delta(w["repair_key_a"], w["repair_key_b"], *plain)
+        u, v = self._repair_deltas[rank]
+        k = keys.float()
+        return (k + (k @ u) @ v).to(keys.dtype)
+
     def set_weights(self, **tensors: torch.Tensor) -> None:
         """Install fitted weights, rounded to their storage dtype (what is measured is what is saved)."""
         store = FLOAT_DTYPES[normalize_dtype(self.settings["storage_dtype"])]
         self.weights = {k: (v.to(store) if k in MATRICES else v).float() for k, v in tensors.items()}
+        self._repair_deltas = {}
         self._check(self.weights)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -157,6 +199,10 @@ class BottleneckMapper(Mapper):
             t, kr = self.target, self.key_correction_rank
             expected.update({"key_a": (t.num_layers, t.num_kv_heads, t.head_dim, kr),
                              "key_b": (t.num_layers, t.num_kv_heads, kr, t.head_dim)})
+        if self.repair_key_correction_rank:
+            t, kr = self.target, self.repair_key_correction_rank
+            expected.update({"repair_key_a": (t.num_layers, t.num_kv_heads, t.head_dim, kr),
+                             "repair_key_b": (t.num_layers, t.num_kv_heads, kr, t.head_dim)})
         if set(tensors) != set(expected):
             raise MapperArtifactError(f"bottleneck weights: expected {sorted(expected)}, got {sorted(tensors)}")
         for name, shape in expected.items():
@@ -169,6 +215,7 @@ class BottleneckMapper(Mapper):
     def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._check(tensors)
         self.weights = {k: v.float() for k, v in tensors.items()}
+        self._repair_deltas = {}
 
     @torch.no_grad()
     def _translate_batch(self, chunks: list[KVChunk], texts: list[str], target) -> list[KVChunk]:

@@ -252,6 +252,69 @@ def test_a_key_correction_of_the_wrong_shape_is_refused(fitted, gemma2tok):
                              torch.zeros(fp.num_layers, fp.num_kv_heads, 3, fp.head_dim))
 
 
+def _with_repair_correction(mapper, a2, b2):
+    out = BottleneckMapper(mapper.source, mapper.target,
+                           {**mapper.settings, "repair_key_correction_rank": a2.shape[-1]})
+    out.set_weights(**mapper.weights, repair_key_a=a2, repair_key_b=b2)
+    return out
+
+
+def _corrections(fp, rank, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(fp.num_layers, fp.num_kv_heads, fp.head_dim, rank, generator=g) / fp.head_dim ** 0.5,
+            0.3 * torch.randn(fp.num_layers, fp.num_kv_heads, rank, fp.head_dim, generator=g))
+
+
+def test_the_repair_paths_correction_maps_the_plain_paths_keys_exactly(fitted, llama, gemma2tok, texts, tmp_path):
+    """Translations are kept as the plain path serves them (k + kAB); the +repair path's keys are
+    k + kA₂B₂ of the same map, reached from them without translating again."""
+    _, mapper = fitted
+    fp = gemma2tok.fingerprint
+    chunk, text = llama.prefill(texts[0]), texts[0]
+    a, b = _corrections(fp, 2, 0)
+    a2, b2 = _corrections(fp, 3, 1)
+    plain_only = _with_key_correction(mapper, a, b)
+    both = _with_repair_correction(plain_only, a2, b2)
+    served = both.translate(chunk, text, gemma2tok)
+    torch.testing.assert_close(served.keys, plain_only.translate(chunk, text, gemma2tok).keys)  # plain path as before
+    want = _with_key_correction(mapper, a2, b2).translate(chunk, text, gemma2tok).keys
+    torch.testing.assert_close(both.repair_keys(served.keys), want, rtol=1e-4, atol=1e-4)
+    # no plain correction (as the fit translates): the repair correction alone
+    raw = mapper.translate(chunk, text, gemma2tok).keys
+    only_repair = _with_repair_correction(mapper, a2, b2)
+    torch.testing.assert_close(only_repair.repair_keys(raw), want, rtol=1e-4, atol=1e-4)
+    both.save(tmp_path / "m")
+    again = load_mapper(tmp_path / "m", source=llama.fingerprint, target=gemma2tok.fingerprint)
+    assert again.artifact_id == both.artifact_id != plain_only.artifact_id
+    torch.testing.assert_close(again.repair_keys(served.keys), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(MapperArtifactError, match="repair_key_b has shape"):
+        _with_repair_correction(mapper, a2[..., :2], b2)
+
+
+def test_an_artifact_without_a_repair_correction_serves_its_translations_on_that_path(fitted):
+    _, mapper = fitted
+    keys = torch.randn(2, 1, 3, 4)
+    assert mapper.repair_keys(keys) is keys
+
+
+def test_a_served_path_fit_is_exported_beside_the_plain_correction_and_continued(fitted, gemma2tok):
+    from eval.fit_key_correction import artifact_correction, fold_into
+
+    _, mapper = fitted
+    fp = gemma2tok.fingerprint
+    a, b = _corrections(fp, 2, 0)
+    a2, b2 = _corrections(fp, 2, 1)
+    m = _with_key_correction(mapper, a, b)
+    assert artifact_correction(m, repair=True)[0] is m.weights["key_a"]  # what the path served until now
+    fold_into(m, {"a": a2, "b": b2}, repair=True)
+    assert m.key_correction_rank == 2 and m.repair_key_correction_rank == 2
+    torch.testing.assert_close(m.weights["key_a"], a)                  # the plain path keeps its own
+    torch.testing.assert_close(artifact_correction(m, repair=True)[0], a2)
+    torch.testing.assert_close(artifact_correction(m)[0], a)
+    with pytest.raises(ValueError, match="plain path"):
+        fold_into(m, {"a": a2, "b": b2, "u": a2, "v": b2, "c": b2}, repair=True)
+
+
 def _placed(mapper, llama, target, texts, asm, token_window=0):
     """`fit_key_correction.translated_context`'s items, on the tiny pair: prompt head + two translated chunks."""
     from mappers.bottleneck import direct_features

@@ -50,6 +50,23 @@ def test_translated_key_scale_scales_translated_keys_only(kb):
     torch.testing.assert_close(k3, k1)
 
 
+def test_the_repair_path_serves_the_mappers_repair_keys_and_the_plain_path_does_not(kb):
+    """A +repair path places `Mapper.repair_keys` of the translations (an artifact with a correction
+    fitted on that path), then the key scale; the plain path and the LRU keep the plain translations."""
+    plain = ctx(kb)
+    repaired = ctx(kb, recompute_select="retriever_chunk", recompute_ratio=0.01, translated_key_scale=0.5)
+    k1, start, end, _ = placed_keys(plain)
+    _, mapper, _ = repaired._ready()
+    mapper.repair_keys = lambda keys: 3.0 * keys
+    k2, _, _, p = placed_keys(repaired)
+    crux = p.answer.recomputed_tokens
+    torch.testing.assert_close(k2[:, :, start + crux:end], 1.5 * k1[:, :, start + crux:end])
+    repaired.recompute_ratio = 0.0   # the plain path of the same context: the translations as kept
+    repaired.translated_key_scale = 1.0
+    k3, *_ = placed_keys(repaired)
+    torch.testing.assert_close(k3, k1)
+
+
 def test_translated_key_scale_leaves_the_native_path_alone(kb):
     root, small, _ = kb
     native = CachedContext(store=root / "store", target=str(small), embedder=HashEmbedder(),
