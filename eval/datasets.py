@@ -101,6 +101,7 @@ __all__ = [
 CONTEXT_MODES = ("retrieve", "all")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 ESSAY_QA_PATH = DATA_DIR / "essay_qa.jsonl"
+CALIB_ESSAY_QA_PATH = DATA_DIR / "calib_essay_qa.jsonl"  # fits only: questions on the calibration essays
 
 
 # ---------------------------------------------------------------------------
@@ -642,6 +643,26 @@ def essay_qa(*, seed: int = 0, pool: str = "used", path: str | os.PathLike | Non
         g = it.meta["gold_doc"]
         documents = (docs[g],) if pool == "gold" else shared
         out.append(QAItem(it.id, it.question, it.answers, documents, "retrieve", dict(it.meta)))
+    return out
+
+
+def calibration_essay_qa(path: str | os.PathLike | None = None) -> list[QAItem]:
+    """Free questions about the calibration essays, for fitting (not in `DATASETS`: no evaluation reads
+    them): 4 per essay, answers verbatim, written without looking at essay-qa (2026-12-06). Each item
+    carries all calibration essays, and its chunks are retrieved, as essay-qa's are from its pool."""
+    raw = load_jsonl(path or CALIB_ESSAY_QA_PATH)
+    names = calibration_essays()
+    docs = tuple(Document(n, essay_text(n)) for n in names)
+    by_name = {d.id: d for d in docs}
+    out = []
+    for it in raw:
+        gold = it.meta.get("gold_doc")
+        if gold not in by_name:
+            raise DatasetFormatError(f"calibration essay question {it.id!r} is about {gold!r}, "
+                                     "not a calibration essay")
+        if not text_holds_answer(by_name[gold].text, it.answers):
+            raise DatasetFormatError(f"calibration essay question {it.id!r}: no answer occurs in {gold}")
+        out.append(QAItem(it.id, it.question, it.answers, docs, "retrieve", dict(it.meta)))
     return out
 
 

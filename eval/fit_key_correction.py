@@ -31,7 +31,9 @@ plain one: each item's translated keys are multiplied by A and the crux the path
 context, chosen by S) replaces their translations, recomputed once with the starting correction. A
 correction fitted on the plain path draws the question into the translated keys and away from that
 crux (into Qwen2.5 it found more plain lookups and copied fewer codes on the served path,
-eval/results/gate-kc-lookups/).
+eval/results/gate-kc-lookups/). A fit on the served path in turn lost plain-path lookups, so `--export`
+ships it as that path's own correction (``repair_key_a``/``repair_key_b``, `mappers/bottleneck.py`)
+beside the plain one, and a later ``--repair`` fit continues it.
 
 Material: needles planted in the lab's **training** essays (seeds 700 +
 length; `eval/diagnose_length.py` tests on the held-out essays, seeds 300 +
@@ -85,6 +87,16 @@ def training_lookups(n: int) -> list:
     return items
 
 
+def essay_questions(n: int) -> list:
+    """The first `n` free questions about the calibration essays (-1: all of them), each retrieving its
+    top chunks from all calibration essays: answers in running prose, which lookups and needles never
+    ask for (essay-qa is where the served path lost answers, eval/results/repair_sentence_crux_fused_15_kc/)."""
+    from eval.datasets import calibration_essay_qa
+
+    items = calibration_essay_qa()
+    return items if n < 0 else items[:n]
+
+
 def end_of_turn_id(lm, asm) -> int | None:
     """The token a chat answer ends with (Qwen's ``<|im_end|>``, Gemma's ``<end_of_turn>``, else EOS);
     None for a plain layout, whose answers end with no one token."""
@@ -99,8 +111,11 @@ def end_of_turn_id(lm, asm) -> int | None:
     return lm.tokenizer.eos_token_id
 
 
-def artifact_correction(mapper) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The artifact's own key correction (A, B), or None if it has none."""
+def artifact_correction(mapper, repair: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The artifact's own key correction (A, B), or None if it has none; with ``repair``, the one it
+    serves on the ``+repair`` path (its own, else the plain one: what that path served before)."""
+    if repair and getattr(mapper, "repair_key_correction_rank", 0):
+        return mapper.weights["repair_key_a"], mapper.weights["repair_key_b"]
     if not getattr(mapper, "key_correction_rank", 0):
         return None
     return mapper.weights["key_a"], mapper.weights["key_b"]
@@ -189,7 +204,7 @@ def translated_context(ctx: CachedContext, item, *, token_window: int = 0, repai
               "n_prefix": prefix.num_tokens, "question": item.question, "answer": item.answers[0]}
     if repair is not None:
         placed["key_scale"] = float(repair.get("translated_key_scale", 1.0))
-        placed["crux"] = served_crux(ctx, chunks, used, item.question, repair, artifact_correction(mapper))
+        placed["crux"] = served_crux(ctx, chunks, used, item.question, repair, artifact_correction(mapper, True))
     if token_window:
         mean_f = mapper.weights["tok_mean_f"]
         # bf16 on purpose: 24 KB a token for Qwen2.5 instead of 49, and only the correction reads it
@@ -312,19 +327,25 @@ def _fit_loop(lm, asm, train, held, w, opt, *, epochs: int, l2: float, progress)
     return best[2], history + [{"chosen_epoch": best[1]}]
 
 
-def fold_into(mapper, weights: dict[str, torch.Tensor]) -> None:
-    """Install a fitted correction in a bottleneck mapper: A and B as its key correction, and the token
-    part, which has the token residual's form, folded into ``tok_w`` and ``tok_mean_r`` (no new tensors)."""
-    tensors = {**mapper.weights, "key_a": weights["a"], "key_b": weights["b"]}
+def fold_into(mapper, weights: dict[str, torch.Tensor], repair: bool = False) -> None:
+    """Install a fitted correction in a bottleneck mapper: A and B as its key correction (``repair``: as
+    the correction of its ``+repair`` path, the plain one kept), and the token part, which has the token
+    residual's form, folded into ``tok_w`` and ``tok_mean_r`` (no new tensors)."""
+    prefix = "repair_" if repair else ""
+    if repair and "u" in weights:
+        raise ValueError("a token part changes the translation itself, which both paths share: fit it on "
+                         "the plain path")
+    tensors = {**mapper.weights, f"{prefix}key_a": weights["a"], f"{prefix}key_b": weights["b"]}
     if "u" in weights:
         tensors["tok_w"] = mapper.weights["tok_w"] + weights["u"] @ weights["v"]
         tensors["tok_mean_r"] = mapper.weights["tok_mean_r"] + weights["c"]
-    mapper.settings["key_correction_rank"] = int(weights["a"].shape[-1])
+    mapper.settings[f"{prefix}key_correction_rank"] = int(weights["a"].shape[-1])
     mapper.set_weights(**tensors)
 
 
 def export(source: str, target: str, method: str, out: Path, tag: str = "") -> int:
-    """Add the fitted correction to the shipped artifact it was fitted on (same folder: it replaces it)."""
+    """Add the fitted correction to the shipped artifact it was fitted on (same folder: it replaces it):
+    a fit on the ``+repair`` path becomes that path's correction, and the plain path keeps its own."""
     from safetensors.torch import load_file
 
     from mappers.base import load_mapper
@@ -337,13 +358,16 @@ def export(source: str, target: str, method: str, out: Path, tag: str = "") -> i
     if mapper.artifact_id != meta["mapper_artifact"]:
         raise SystemExit(f"{folder} is artifact {mapper.artifact_id}; the correction was fitted on "
                          f"{meta['mapper_artifact']}: fit it again")
-    fold_into(mapper, weights)
-    mapper.fitted_on["key_correction"] = {k: meta[k] for k in ("command", "date", "host", "mapper_artifact", "rank",
-                                                             "token_rank", "lengths", "n_per_length", "material",
-                                                             "seed_base", "lookups", "lookup_seed_base", "teach_stop",
-                                                             "repair", "history") if k in meta}
-    # Lookup records were measured without the correction; they are measured again, not carried over.
-    mapper.fidelity = {k: v for k, v in mapper.fidelity.items() if k not in ("lab_lookup", "lookup", "lookup_repair")}
+    repair = bool(meta.get("repair"))
+    fold_into(mapper, weights, repair=repair)
+    recorded = ("command", "date", "host", "mapper_artifact", "rank", "token_rank", "lengths", "n_per_length",
+                "material", "seed_base", "lookups", "lookup_seed_base", "teach_stop", "essay_questions", "repair",
+                "history")
+    mapper.fitted_on["repair_key_correction" if repair else "key_correction"] = {k: meta[k] for k in recorded
+                                                                                 if k in meta}
+    # Lookup records of the path it changes were measured without it; they are measured again, not carried over.
+    dropped = ("lookup_repair",) if repair else ("lab_lookup", "lookup", "lookup_repair")
+    mapper.fidelity = {k: v for k, v in mapper.fidelity.items() if k not in dropped}
     mapper.save(folder)
     print(f"{folder}: artifact {mapper.artifact_id} (was {meta['mapper_artifact']})")
     return 0
@@ -397,6 +421,9 @@ def main(argv=None) -> int:
                     "(calib-lookup seeds 700, 701, ...: top chunks retrieved from the question's own pool, placed "
                     "best first with the path's served rank key decay), where same-shaped facts in other chunks "
                     "compete; --n 0 fits on them alone")
+    ap.add_argument("--essay-questions", type=int, default=0, metavar="N", help="also the first N free questions "
+                    "about the 17 calibration essays (eval/data/calib_essay_qa.jsonl, 4 per essay; -1: all 68), each "
+                    "placed with its top chunks retrieved from all of them, as essay-qa's are from its pool")
     ap.add_argument("--repair", type=float, default=0.0, metavar="RATIO", help="fit on the served +repair path: "
                     "each item placed with this share of its context recomputed by the target (the crux, chosen by "
                     "--repair-select with the starting correction, held fixed while fitting) and the translated keys "
@@ -417,18 +444,22 @@ def main(argv=None) -> int:
     items = [it for length in args.lengths for m in args.material
              for it in training_needles(length, args.n, lm.tokenizer, m)] if args.n else []
     items += training_lookups(args.lookups)
+    items += essay_questions(args.essay_questions) if args.essay_questions else []
     if not items:
-        raise SystemExit("nothing to fit on: --n 0 and no --lookups")
+        raise SystemExit("nothing to fit on: --n 0, no --lookups, no --essay-questions")
     ctx = measurement_context(items, args.out, args.source, args.target, args.method)
     _, mapper, asm = ctx._ready()
-    start = artifact_correction(mapper)  # continue the artifact's correction, never stack a second
+    repair = {"ratio": args.repair, "select": args.repair_select,
+              "translated_key_scale": args.translated_key_scale} if args.repair > 0 else None
+    # continue the correction the path serves now, never stack a second
+    start = artifact_correction(mapper, repair is not None)
     if start is not None:
-        args.rank = mapper.key_correction_rank
+        args.rank = int(start[0].shape[-1])
     window = mapper.token_window if args.token_rank else 0
     if args.token_rank and not mapper.token_residual:
         raise SystemExit(f"{args.method} artifact has no token residual for --token-rank to change")
-    repair = {"ratio": args.repair, "select": args.repair_select,
-              "translated_key_scale": args.translated_key_scale} if args.repair > 0 else None
+    if args.token_rank and repair is not None:
+        raise SystemExit("--token-rank changes the translation both paths share: fit it without --repair")
     with Progress("translating", total=len(items), unit="items", interval_s=20) as bar:
         placed = []
         for it in items:
@@ -459,6 +490,7 @@ def main(argv=None) -> int:
             "token_rank": args.token_rank, "started_from_artifact_correction": start is not None,
             "lengths": args.lengths, "n_per_length": args.n, "material": args.material,
             "lookups": args.lookups, "lookup_seed_base": LOOKUP_SEED_BASE, "teach_stop": args.teach_stop,
+            "essay_questions": args.essay_questions,
             "repair": repair,
             "train_items": len(train), "held_items": len(held),
             "seed_base": SEED_BASE, "lr": args.lr, "token_lr": args.token_lr, "l2": args.l2, "history": history,

@@ -379,3 +379,26 @@ def test_calibration_text_is_kept_apart_from_every_evaluation_text():
             head = D.essay_text(name)[200:320]
             assert head not in text, name
     assert sum(len(t.split()) for t in D.calibration_texts()) > 20_000
+
+
+def test_calibration_essay_questions_ask_about_calibration_essays_only():
+    items = D.calibration_essay_qa()
+    calibration = set(D.calibration_essays())
+    assert len(items) >= 50 and len({it.id for it in items}) == len(items)
+    assert {it.meta["gold_doc"] for it in items} == calibration       # every calibration essay, no other
+    assert {d.id for d in items[0].documents} == calibration and items[0].context == "retrieve"
+    evaluation = {it.question for it in D.get_dataset("essay-qa")}
+    assert not evaluation & {it.question for it in items}
+    for it in items:
+        text = D.essay_text(it.meta["gold_doc"])
+        assert D.text_holds_answer(text, it.answers), it.id
+        assert not any(a.lower() in it.question.lower() for a in it.answers), it.id
+
+
+def test_a_calibration_essay_question_about_another_essay_is_refused(tmp_path):
+    evaluation_essay = D.get_dataset("essay-qa")[0].meta["gold_doc"]
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"id": "x", "question": "q?", "answers": ["a"],
+                                "meta": {"gold_doc": evaluation_essay}}) + "\n")
+    with pytest.raises(DatasetFormatError, match="not a calibration essay"):
+        D.calibration_essay_qa(path)
