@@ -135,7 +135,7 @@ class BottleneckMapper(Mapper):
         super().__init__(source, target, {"rank": 512, "storage_dtype": "float16", "compute_dtype": "float32",
                                           **(settings or {})})
         self.weights: dict[str, torch.Tensor] = {}
-        self._repair_deltas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by the plain correction's rank
+        self._repair_deltas: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # by (plain rank, keys' dtype)
 
     @property
     def num_features(self) -> int:
@@ -167,13 +167,15 @@ class BottleneckMapper(Mapper):
         if not self.repair_key_correction_rank:
             return keys
         rank = self.key_correction_rank  # 0 while the fit translates with the plain correction off
-        if rank not in self._repair_deltas:
+        at = (rank, keys.dtype)
+        if at not in self._repair_deltas:
             w = self.weights
             plain = (w["key_a"], w["key_b"]) if rank else (None, None)
-            self._repair_deltas[rank] = repair_delta(w["repair_key_a"], w["repair_key_b"], *plain)
-        u, v = self._repair_deltas[rank]
-        k = keys.float()
-        return (k + (k @ u) @ v).to(keys.dtype)
+            u, v = repair_delta(w["repair_key_a"], w["repair_key_b"], *plain)
+            self._repair_deltas[at] = (u.to(keys.dtype), v.to(keys.dtype))
+        u, v = self._repair_deltas[at]
+        # in the keys' own dtype: in fp32, the copies cost Qwen2.5 65 ms a query at 4K, in bf16 5 ms
+        return keys + (keys @ u) @ v
 
     def set_weights(self, **tensors: torch.Tensor) -> None:
         """Install fitted weights, rounded to their storage dtype (what is measured is what is saved)."""
