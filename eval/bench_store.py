@@ -256,22 +256,20 @@ def bench_throughput(lm, emb, docs, batch_sizes, repeats, chunk_tokens, tmp: Pat
 STORE_DTYPES = {"int8": 1, "bfloat16": 2, "float16": 2}  # chunk format → bytes per K/V value
 
 
-def built_dtype(store_dir: Path) -> str:
-    with open(next(store_dir.glob("versions/*/manifest.json"))) as f:
-        return json.load(f)["chunker"].get("dtype", "bfloat16")
-
-
 def bench_bytes(lm, emb, docs, chunk_tokens, tmp: Path, default_store: Path | None) -> dict:
     """`default_store`: a throughput build of the same documents (batch 4, the default format), reused
     for the format it was built in (read from its manifest, not assumed)."""
+    from eval.run import store_dtype
+
     a = lm.adapter
     values = 2 * a.num_layers * a.num_kv_heads * a.head_dim
     out = {"geometry": {"layers": a.num_layers, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim},
            "values_per_token": values, "dtypes": {}}
+    reused = store_dtype(default_store) if default_store is not None else None
     for dtype, width in STORE_DTYPES.items():
         payload = values * width
         store_dir = tmp / f"bytes-{dtype}"
-        if default_store is not None and built_dtype(default_store) == dtype:
+        if dtype == reused:
             store_dir = default_store
             with open(next(store_dir.glob("versions/*/manifest.json"))) as f:
                 m = json.load(f)

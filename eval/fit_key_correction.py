@@ -93,6 +93,8 @@ def essay_questions(n: int) -> list:
     ask for (essay-qa is where the served path lost answers, eval/results/repair_sentence_crux_fused_15_kc/)."""
     from eval.datasets import calibration_essay_qa
 
+    if n == 0:
+        return []
     items = calibration_essay_qa()
     return items if n < 0 else items[:n]
 
@@ -444,7 +446,7 @@ def main(argv=None) -> int:
     items = [it for length in args.lengths for m in args.material
              for it in training_needles(length, args.n, lm.tokenizer, m)] if args.n else []
     items += training_lookups(args.lookups)
-    items += essay_questions(args.essay_questions) if args.essay_questions else []
+    items += essay_questions(args.essay_questions)
     if not items:
         raise SystemExit("nothing to fit on: --n 0, no --lookups, no --essay-questions")
     ctx = measurement_context(items, args.out, args.source, args.target, args.method)

@@ -51,7 +51,8 @@ def build_eval_store(items, store_dir: Path, source: str, *, chunk_tokens: int, 
                        dtype=dtype)
 
 
-def _store_dtype(store) -> str | None:
+def store_dtype(store) -> str | None:
+    """The chunk format of a built store (a folder, URL or opened location); None for a new one."""
     location = open_store(store)
     try:
         return existing_dtype(location)
@@ -214,7 +215,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "translated_key_scale": translated_key_scale, "rank_key_decay": rank_key_decay,
                       "rank_key_decay_native": decays,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens,
-                      "dtype": dtype if built else _store_dtype(store)}
+                      "dtype": dtype if built else store_dtype(store)}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     (out_dir / TABLE).write_text(render_markdown(summary))
     plot(summary, out_dir)
