@@ -449,11 +449,12 @@ class CachedContext(BaseModel):
         if repair is not None:  # the gate's +repair path: recompute and scale as it was measured
             ratio, select = float(repair["ratio"]), str(repair["select"])
             key_scale = float(repair.get("translated_key_scale", 1.0))
-        if mapper.method != "identity" and (ratio > 0 or key_scale != 1.0):
-            # Copies: the LRU keeps the mapper's plain translations. A +repair path serves the keys its
-            # artifact fitted on that path, if any; rotation is linear, so scaling commutes with it.
-            chunks = [replace(c, keys=(mapper.repair_keys(c.keys) if ratio > 0 else c.keys) * key_scale)
-                      for c in chunks]
+        if mapper.method != "identity":
+            # New chunks, never in place: the LRU keeps the mapper's plain translations.
+            if ratio > 0:  # a +repair path serves the keys its artifact fitted on that path, if any
+                chunks = [replace(c, keys=mapper.repair_keys(c.keys)) for c in chunks]
+            if key_scale != 1.0:  # rotation is linear, so scaling commutes with it
+                chunks = [replace(c, keys=c.keys * key_scale) for c in chunks]
         positions = None
         if select in GUIDED_SELECT and ratio > 0 and chunks:
             t = time.perf_counter()
