@@ -278,42 +278,83 @@ class Assembler:
             return self.question_mass(keys, values, total, question_ids, per_head=per_head, num_layers=num_layers)
 
     @torch.inference_mode()
+    def heads_attention(self, chunks: Sequence[KVChunk], questions: Sequence[torch.Tensor],
+                        heads: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+        """Per question: the attention ``[len(heads), total]`` each (layer, query head) of `heads`
+        puts on every position of head + `chunks` (placed as stored), averaged over the question's
+        tokens; `heads` None: every head, ``[layers, heads, total]``.
+
+        What `context_attention` gives per head, for several questions and a few heads at the
+        cost of one: the context is placed once, for the layers up to the deepest head only,
+        with room behind it for the longest question; each question's forward writes its own
+        K/V into that room (no copy of the context per question and layer) and only the
+        chosen heads' scores are computed."""
+        from cag.models.attention import attention_logits, capture_attention, recompute_cache
+
+        n_layers, n_heads = self.target.adapter.num_layers, self.target.model.config.num_attention_heads
+        every = heads is None
+        if every:
+            heads = [(layer, h) for layer in range(n_layers) for h in range(n_heads)]
+        if not heads or not questions:
+            raise ValueError("heads_attention needs at least one head and one question")
+        parts = [self.prefix(), *chunks]
+        for chunk in chunks:
+            self.target.check_chunk(chunk)
+        upto = max(layer for layer, _ in heads) + 1  # deeper layers feed none of these heads: not run
+        total = sum(c.num_tokens for c in parts)
+        room = max(q.numel() for q in questions)
+        dtype = self.target.dtype
+        spare = torch.zeros((upto, parts[0].keys.shape[1], room, parts[0].keys.shape[3]), dtype=dtype)
+        keys = concat_tokens([c.keys[:upto] for c in parts] + [spare], dtype)
+        values = concat_tokens([c.values[:upto] for c in parts] + [spare], dtype)
+        context = keys[:, :, :total]
+        self.target.adapter.rotate(context, torch.arange(total), out=context)
+        out = []
+        for question_ids in questions:
+            n = question_ids.numel()
+            cache = recompute_cache(keys[:, :, :total + n], values[:, :, :total + n], torch.arange(total, total + n))
+            captured: dict = {}
+            with self.model_lock, capture_attention(self.target.model, captured):
+                self.target.forward_first_layers(upto, input_ids=question_ids[None].to(self.target.device),
+                                                 past_key_values=cache, use_cache=True)
+            q_pos, k_pos = torch.arange(total, total + n), torch.arange(total + n)
+            rows = []
+            for layer, head in heads:
+                q, k, _, scaling, window = captured[layer]
+                group = q.shape[0] // k.shape[0]  # grouped-query attention: this head's KV head
+                logits = attention_logits(q[head:head + 1], k[head // group:head // group + 1], scaling, window,
+                                          q_pos, k_pos)
+                rows.append(torch.softmax(logits, -1)[0, :, :total].float().mean(dim=0).cpu())
+            mass = torch.stack(rows)
+            out.append(mass.view(n_layers, n_heads, total) if every else mass)
+        return out
+
+    @torch.inference_mode()
     def _recompute(self, keys: torch.Tensor, values: torch.Tensor, context_ids: torch.Tensor,
                    chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recompute the `chosen` context positions; returns full rotated K and V, position order.
+        """Recompute the `chosen` context positions of the rotated `keys`/`values` (position order).
 
-        Called by `place` with the model lock held (the forward below shares the model)."""
-        from cag.models.attention import blocked_recompute
+        Writes the new K/V into `keys` and `values` themselves (the caller's own buffers) and
+        returns them. Called by `place` with the model lock held (the forward shares the model)."""
+        from cag.models.attention import blocked_recompute, recompute_cache
 
         total = context_ids.numel()
         chosen = torch.sort(chosen).values
-        keep = torch.ones(total, dtype=torch.bool)
-        keep[chosen] = False
-        kept = torch.nonzero(keep).squeeze(1)
-
-        cache = DynamicCache()  # keeps every token, whatever the layer kind
-        for i in range(self.target.adapter.num_layers):
-            cache.update(keys[i][:, kept][None], values[i][:, kept][None], i)
-        with blocked_recompute(self.target.model, kept, chosen, self.recompute_block):  # skips hidden scores
+        cache = recompute_cache(keys, values, chosen)
+        with blocked_recompute(self.target.model, chosen, total, self.recompute_block):  # skips hidden scores
             self.target.forward_for_cache(  # the K/V only: no last MLP, no head
                 cache, input_ids=context_ids[chosen][None].to(self.target.device),
                 position_ids=chosen[None].to(self.target.device),
-                attention_mask=self._recompute_masks(kept, chosen))
-        order = torch.argsort(torch.cat([kept, chosen]))
-        new_keys = torch.stack([layer.keys[0][:, order] for layer in cache.layers])
-        new_values = torch.stack([layer.values[0][:, order] for layer in cache.layers])
-        return new_keys, new_values
+                attention_mask=self._recompute_masks(chosen, total))
+        return keys, values
 
-    def _recompute_masks(self, kept: torch.Tensor, chosen: torch.Tensor):
-        """Additive masks for the recomputed tokens over ``[kept tokens | chosen tokens]``.
-
-        Positions are not in cache order, so the masks say by position who may see
-        whom: a chosen token sees every kept token before it and every chosen
-        token up to itself, and in a sliding layer only those inside its window.
-        """
+    def _recompute_masks(self, chosen: torch.Tensor, total: int):
+        """Additive masks for the recomputed tokens over every position, in position order:
+        a chosen token sees every position up to itself, and in a sliding layer only those
+        inside its window."""
         q = chosen[:, None]
-        kv = torch.cat([kept, chosen])[None, :]
-        visible = torch.cat([kept[None, :] < q, chosen[None, :] <= q], dim=1)
+        kv = torch.arange(total)[None, :]
+        visible = kv <= q
         dtype = self.target.dtype
 
         def additive(allowed: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,11 @@ def retrieval_heads(fingerprint_id: str, path: Path | None = None) -> list[tuple
 
 def _token_sentences(chunk: KVChunk, spans: list[tuple[int, int]]) -> list[list[int]]:
     """For each sentence span, the chunk's token indices that overlap it."""
-    offsets = chunk.offsets.tolist()
-    return [[j for j, (s, e) in enumerate(offsets) if s < end and e > start] for start, end in spans]
+    if not spans:
+        return []
+    bounds = torch.tensor(spans, dtype=chunk.offsets.dtype)  # [sentences, 2]
+    overlap = (chunk.offsets[None, :, 0] < bounds[:, 1:]) & (chunk.offsets[None, :, 1] > bounds[:, :1])
+    return [row.nonzero().squeeze(1).tolist() for row in overlap]
 
 
 def _pick(scored: list[tuple[float, int, int]], sizes: dict[tuple[int, int], int],
@@ -138,16 +141,14 @@ def contrastive_attention(source_assembler, source_chunks: Sequence[KVChunk], qu
     positions]`` with `per_head` (for calibrating which heads to keep)."""
     q_ids = source_assembler.question_ids(question)
     n_ids = source_assembler.question_ids(NEUTRAL_QUESTION)
-    # Only the layers up to the deepest chosen head are run (retrieval heads sit mid-model).
-    upto = None if heads is None or per_head else max(layer for layer, _ in heads) + 1
-    contrast = (source_assembler.context_attention(source_chunks, q_ids, per_head=True, num_layers=upto)
-                - source_assembler.context_attention(source_chunks, n_ids, per_head=True, num_layers=upto))
+    # One placement for both questions; with `heads`, only the layers up to the deepest run
+    # (retrieval heads sit mid-model) and only those heads' scores are computed.
+    asked, neutral = source_assembler.heads_attention(source_chunks, [q_ids, n_ids],
+                                                      None if per_head else heads)
+    contrast = asked - neutral
     if per_head:
         return contrast
-    if heads is None:
-        return contrast.mean(dim=(0, 1))
-    layers, hs = zip(*heads)
-    return contrast[list(layers), list(hs)].mean(dim=0)
+    return contrast.mean(dim=(0, 1)) if heads is None else contrast.mean(dim=0)
 
 
 def _source_sentence_scores(source_assembler, source_chunks: Sequence[KVChunk], texts: Sequence[str],

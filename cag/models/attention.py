@@ -12,6 +12,7 @@ function (queries and keys already rotated, values, scaling, sliding window);
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import lru_cache
 
 import torch
 
@@ -150,35 +151,88 @@ def context_temperature(model, start: int, end: int, temperature: float = 1.0, s
         yield
 
 
+@lru_cache(maxsize=None)  # one class, defined when first needed (transformers loads lazily)
+def _recompute_layer_class():
+    from transformers.cache_utils import CacheLayerMixin
+
+    class RecomputeLayer(CacheLayerMixin):
+        """One layer of `recompute_cache`: buffers in position order, the forward's K/V written at `chosen`."""
+
+        is_sliding = False
+        is_croppable = False
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, chosen: torch.Tensor) -> None:
+            super().__init__()
+            self.keys, self.values = keys, values
+            self.chosen = chosen.to(keys.device)
+            self.written = 0
+            self.is_initialized = True
+            self.dtype, self.device = keys.dtype, keys.device
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if key_states.shape[-2] != self.chosen.numel() or self.written:
+                raise RuntimeError("a recompute cache takes one forward of exactly its chosen positions")
+            self.keys.index_copy_(2, self.chosen, key_states)
+            self.values.index_copy_(2, self.chosen, value_states)
+            self.written = self.chosen.numel()
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            # What a cache of the kept tokens alone would say: the forward then counts its
+            # queries after them and asks for masks over every position, as it did for one.
+            return self.keys.shape[-2] - self.chosen.numel() + self.written
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.keys.shape[-2], 0
+
+        def get_max_length(self) -> int:
+            return -1
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            raise RuntimeError("a recompute cache is built full")
+
+    return RecomputeLayer
+
+
+def recompute_cache(keys: torch.Tensor, values: torch.Tensor, chosen: torch.Tensor):
+    """A transformers cache over every placed position, for a forward of the `chosen` ones only.
+
+    `keys`/`values` ``[layers, heads, positions, dim]`` (keys rotated) stay in position
+    order: the forward of the chosen positions writes their new K/V into these very
+    buffers (in place), and each attention layer reads them whole, in position order.
+    No kept/chosen layout to gather into and back out of, per layer and per call; the
+    masks (and `blocked_recompute`) are by position. Every layer keeps every position,
+    whatever its kind (a sliding layer's window is in its mask).
+    """
+    from transformers.cache_utils import Cache
+
+    layer = _recompute_layer_class()
+    return Cache(layers=[layer(keys[i][None], values[i][None], chosen) for i in range(keys.shape[0])])
+
+
 @contextmanager
-def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: int = 64):
+def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64):
     """A selective recompute's forward, with each block of queries attending only to keys it can see.
 
-    The recompute forward runs the `chosen` context positions (sorted) over a cache laid out
-    ``[kept tokens | chosen tokens]`` (both sorted by position; together every position once)
-    with an additive mask that hides every key placed after a query. Dense attention still
-    computes those hidden scores: on average half of them. Here the queries go in blocks of
-    `block`, by position, and each block attends over the positions up to its last query only
-    (in a sliding-window layer, from the oldest its first query's window reaches): every key
-    left out was masked for the whole block, so the result is the dense one (softmax gave
-    those keys exactly 0), at about ``1 + block / (2 · mean position)`` of the exact causal
-    count of scores instead of twice it.
+    The recompute forward runs the `chosen` context positions (sorted) over a cache of all
+    `total` positions in position order (`recompute_cache`) with an additive mask that hides
+    every key placed after a query. Dense attention still computes those hidden scores: on
+    average half of them. Here the queries go in blocks of `block`, by position, and each
+    block attends over the positions up to its last query only (in a sliding-window layer,
+    from the oldest its first query's window reaches): every key left out was masked for the
+    whole block, so the result is the dense one (softmax gave those keys exactly 0), at about
+    ``1 + block / (2 · mean position)`` of the exact causal count of scores instead of twice it.
 
-    Per layer the wrapper puts the keys and values in position order once (one gather); a
-    block's keys are then a slice of them, not a copy, and its mask, by position, is built
-    once per block and layer kind and shared by every layer. That keeps small blocks cheap:
-    with a gather of its own per block and layer, blocks below 256 queries cost more in
-    copies than they saved in scores (`eval/bench_recompute_blocks.py`).
+    A block's keys are a slice of the layer's, not a copy, and its mask, by position, is built
+    once per block and layer kind and shared by every layer.
 
     Only a forward whose shapes are the recompute's is blocked; any other passes through.
     Under sdpa each block calls torch's kernel itself with ``enable_gqa``: transformers
     copies every key/value head once per query head whenever a mask is given (Qwen2.5: 7×).
     """
-    n_kept, n_chosen = kept.numel(), chosen.numel()
-    layout = torch.cat([kept, chosen])
-    if not torch.equal(torch.sort(layout).values, torch.arange(layout.numel())):
-        raise ValueError("kept and chosen positions must together cover 0..n-1 once each")
-    by_position = torch.argsort(layout)  # the cache index holding each position
+    n_chosen = chosen.numel()
+    if n_chosen and (not bool((chosen[1:] > chosen[:-1]).all()) or chosen[0] < 0 or chosen[-1] >= total):
+        raise ValueError(f"chosen positions must be sorted, distinct and within [0, {total})")
     own_kernel = getattr(model.config, "_attn_implementation", None) == "sdpa"
     blocks = [(r0, min(r0 + block, n_chosen)) for r0 in range(0, n_chosen, block)]
     spans: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
@@ -203,12 +257,10 @@ def blocked_recompute(model, kept: torch.Tensor, chosen: torch.Tensor, block: in
 
     def wrap(original):
         def wrapper(module, query, key, value, attention_mask, **kwargs):
-            if (len(blocks) < 2 or query.shape[2] != n_chosen or key.shape[2] != n_kept + n_chosen
+            if (len(blocks) < 2 or query.shape[2] != n_chosen or key.shape[2] != total
                     or attention_mask is None or attention_mask.dim() != 4):
                 return original(module, query, key, value, attention_mask, **kwargs)
             plain = own_kernel and kwargs.get("softcap") is None and getattr(module, "sinks", None) is None
-            order = by_position.to(key.device)
-            key, value = key.index_select(2, order), value.index_select(2, order)
             outputs = []
             for (r0, r1), (lo, hi, mask) in zip(blocks, spans_for(kwargs.get("sliding_window"),
                                                                  query.dtype, query.device)):

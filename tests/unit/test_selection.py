@@ -52,6 +52,13 @@ class FakeAssembler:
                 mass[0, 1, 2 + self.distractor] += 0.8
         return mass if per_head else mass.mean(dim=(0, 1))
 
+    def heads_attention(self, chunks, questions, heads=None):
+        per_head = [self.context_attention(chunks, q, per_head=True) for q in questions]
+        if heads is None:
+            return per_head
+        layers, hs = zip(*heads)
+        return [m[list(layers), list(hs)] for m in per_head]
+
 
 def fake_chunk(text):
     words = [(m.start(), m.end()) for m in __import__("re").finditer(r"\S+", text)]
@@ -97,6 +104,23 @@ def test_per_head_question_mass_averages_to_the_plain_one(tiny):
     per_head = asm.context_attention(chunks, q, per_head=True)
     assert per_head.shape[:2] == (tiny.model.config.num_hidden_layers, tiny.model.config.num_attention_heads)
     torch.testing.assert_close(per_head.mean(dim=(0, 1)), asm.context_attention(chunks, q))
+
+
+def test_heads_attention_is_each_questions_context_attention(tiny):
+    """One placement for several questions, a few heads: what `context_attention` gives those heads."""
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    chunks = [tiny.prefill(DOC), tiny.prefill(OTHER)]
+    questions = [asm.question_ids("How many maps?"), asm.question_ids(selection.NEUTRAL_QUESTION)]
+    assert questions[0].numel() != questions[1].numel()  # the shorter one uses part of the room
+    heads = [(1, 0), (0, 1)]
+    every = asm.heads_attention(chunks, questions)
+    chosen = asm.heads_attention(chunks, questions, heads)
+    for q, all_heads, few in zip(questions, every, chosen):
+        want = asm.context_attention(chunks, q, per_head=True)
+        torch.testing.assert_close(all_heads, want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(few, want[[1, 0], [0, 1]], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError):
+        asm.heads_attention(chunks, [], heads)
 
 
 def test_budget_is_respected_and_positions_are_placed():
