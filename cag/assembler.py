@@ -297,10 +297,10 @@ class Assembler:
             heads = [(layer, h) for layer in range(n_layers) for h in range(n_heads)]
         if not heads or not questions:
             raise ValueError("heads_attention needs at least one head and one question")
+        upto = max(layer for layer, _ in heads) + 1  # deeper layers feed none of these heads: not run
         parts = [self.prefix(), *chunks]
         for chunk in chunks:
-            self.target.check_chunk(chunk)
-        upto = max(layer for layer, _ in heads) + 1  # deeper layers feed none of these heads: not run
+            self.target.check_chunk(chunk, layers=upto)  # a chunk decoded for its first layers will do
         total = sum(c.num_tokens for c in parts)
         room = max(q.numel() for q in questions)
         dtype = self.target.dtype

@@ -582,9 +582,11 @@ class CachedContext(BaseModel):
             spans = selection.retriever_chunks([h.score for h in used], chunks, texts, budget)
         else:
             manifest, index = self._current_view()
-            source_chunks = [KVChunk.from_bytes(self._chunks.get(h.key), expect_model=manifest.source_fingerprint)
-                             for h in used]
             heads = selection.retrieval_heads(manifest.source_fingerprint.id)
+            # The source forward stops after the deepest retrieval head: decode no layer past it.
+            upto = max(layer for layer, _ in heads) + 1 if heads else None
+            source_chunks = [KVChunk.from_bytes(self._chunks.get(h.key), expect_model=manifest.source_fingerprint,
+                                                first_layers=upto) for h in used]
             if select == "source_retriever":
                 spans = selection.source_retriever_spans(
                     self._source_assembler(), source_chunks, chunks, texts, question, budget, index.embed,

@@ -210,6 +210,9 @@ class KVChunk:
                   (end exclusive); the text itself is not stored, only its hash.
     settings:     how the chunk was made (chunker settings, the sink prefix it was
                   prefilled after, ...); JSON-serialisable, part of its identity.
+    first_layers: None for a whole chunk; n when only the model's first n layers were
+                  decoded (`from_bytes(first_layers=n)`: a forward cut short after them
+                  needs no more). Such a chunk is never stored, placed or translated.
     """
 
     keys: torch.Tensor
@@ -219,9 +222,15 @@ class KVChunk:
     text_hash: str
     model: ModelFingerprint
     settings: dict[str, Any] = field(default_factory=dict)
+    first_layers: int | None = None
 
     def __post_init__(self) -> None:
-        _validate_tensors(self.keys, self.values, self.token_ids, self.offsets, self.model)
+        _validate_tensors(self.keys, self.values, self.token_ids, self.offsets, self.model, self.first_layers)
+
+    @property
+    def partial(self) -> bool:
+        """Whether this chunk holds only its model's first layers (`first_layers`)."""
+        return self.first_layers is not None
 
     @property
     def num_tokens(self) -> int:
@@ -234,13 +243,15 @@ class KVChunk:
 
     def to(self, dtype: torch.dtype) -> "KVChunk":
         return KVChunk(self.keys.to(dtype), self.values.to(dtype), self.token_ids, self.offsets,
-                       self.text_hash, self.model, dict(self.settings))
+                       self.text_hash, self.model, dict(self.settings), self.first_layers)
 
     # ---------------------------------------------------------------- encoding
 
     def to_bytes(self, dtype: str | torch.dtype = "bfloat16") -> bytes:
         """Serialise to a checksummed safetensors frame, K/V stored in `dtype`
         (a float dtype, or one of the 8-bit formats of `QUANTIZED_DTYPES`)."""
+        if self.partial:
+            raise ValueError(f"this chunk holds only its model's first {self.first_layers} layers: never stored")
         dtype_name = normalize_dtype(dtype)
         keys, values = self.keys.detach().to("cpu"), self.values.detach().to("cpu")
         if dtype_name in QUANTIZED_DTYPES:
@@ -268,6 +279,7 @@ class KVChunk:
         expect_model: ModelFingerprint | None = None,
         dtype: torch.dtype | None = None,
         decode_dtype: torch.dtype | None = None,
+        first_layers: int | None = None,
     ) -> "KVChunk":
         """Decode and validate a frame written by `to_bytes`.
 
@@ -278,6 +290,12 @@ class KVChunk:
         while a float chunk keeps its own (and stays zero-copy). The query path
         passes the model's compute dtype: an 8-bit chunk is then decoded straight
         into it, not rounded to bf16 and converted again when it is placed.
+
+        `first_layers`: decode only the model's first n layers (a partial chunk, for a
+        forward cut short after them: the source model's crux choice runs 10 of
+        SmolLM2's 30). The whole frame is still checked (length, checksum, header,
+        every tensor's shape); only the decode and the per-code checks are skipped
+        for the layers left out.
 
         The tensors of a float chunk decoded in its storage dtype are views on
         `data` (no copy): treat them as read-only, and clone one before writing
@@ -319,13 +337,19 @@ class KVChunk:
         if not isinstance(settings, dict):
             raise ChunkFormatError("chunk metadata lacks its settings")
         keys, values = tensors["keys"], tensors["values"]
+        # Geometry of the whole chunk first (the scales' expected shapes come from the codes').
+        _validate_tensors(keys, values, tensors["token_ids"], tensors["offsets"], model)
+        if first_layers is not None:
+            if not 1 <= first_layers <= model.num_layers:
+                raise ValueError(f"first_layers must be in [1, {model.num_layers}], got {first_layers}")
+            kept = set(_KV_NAMES[:2]) | (set(_SCALE_NAMES) if quantized else set())
+            tensors = {name: t[:first_layers] if name in kept else t for name, t in tensors.items()}
+            keys, values = tensors["keys"], tensors["values"]
         if quantized:
-            # Geometry first: the scales' expected shapes come from the codes'.
-            _validate_tensors(keys, values, tensors["token_ids"], tensors["offsets"], model)
             keys, values = _dequantize(tensors, dtype_name, dtype or decode_dtype or QUANTIZED_DECODE_DTYPE)
         elif dtype is not None:
             keys, values = keys.to(dtype), values.to(dtype)
-        return cls(keys, values, tensors["token_ids"], tensors["offsets"], text_hash, model, settings)
+        return cls(keys, values, tensors["token_ids"], tensors["offsets"], text_hash, model, settings, first_layers)
 
 
 # ------------------------------------------------------------------- 8-bit formats
@@ -566,14 +590,17 @@ def _unframe_at(data: bytes) -> tuple[bytes, int]:
     return data, _HEADER.size
 
 
-def _validate_tensors(keys, values, token_ids, offsets, model: ModelFingerprint) -> None:
+def _validate_tensors(keys, values, token_ids, offsets, model: ModelFingerprint,
+                      first_layers: int | None = None) -> None:
     if keys.dim() != 4 or keys.shape != values.shape:
         raise ChunkFormatError(
             f"keys and values must share one [layers, kv_heads, tokens, head_dim] shape, "
             f"got {tuple(keys.shape)} and {tuple(values.shape)}"
         )
+    if first_layers is not None and not 1 <= first_layers <= model.num_layers:
+        raise ValueError(f"first_layers must be in [1, {model.num_layers}], got {first_layers}")
     layers, heads, tokens, head_dim = keys.shape
-    expected = (model.num_layers, model.num_kv_heads, model.head_dim)
+    expected = (first_layers or model.num_layers, model.num_kv_heads, model.head_dim)
     if (layers, heads, head_dim) != expected:
         raise ChunkFormatError(
             f"chunk geometry (layers, kv_heads, head_dim) = {(layers, heads, head_dim)} "

@@ -124,6 +124,8 @@ class Mapper(ABC):
     # ------------------------------------------------------------ translation
 
     def check_pair(self, chunk: KVChunk, target) -> None:
+        if chunk.partial:
+            raise ValueError(f"a chunk decoded for its first {chunk.first_layers} layers only cannot be translated")
         if chunk.model.id != self.source.id:
             raise MapperMismatchError(
                 f"{self.method} mapper translates from {self.source.describe()}, "

@@ -234,12 +234,17 @@ class LoadedModel:
 
     # ---------------------------------------------------------- chunk → cache
 
-    def check_chunk(self, chunk: KVChunk) -> None:
+    def check_chunk(self, chunk: KVChunk, layers: int | None = None) -> None:
+        """Refuse a chunk of another model, or one that lacks layers: a partial chunk
+        (`KVChunk.first_layers`) serves only a forward of at most that many `layers`."""
         if chunk.model.id != self.fingerprint.id:
             raise ForeignModelError(
                 f"chunk was computed by {chunk.model.describe()}, "
                 f"not by {self.fingerprint.describe()}; translate it with a mapper first"
             )
+        if chunk.partial and (layers is None or layers > chunk.first_layers):
+            raise ValueError(f"this chunk holds only the first {chunk.first_layers} of {self.name}'s layers; "
+                             f"this use needs {layers or self.adapter.num_layers}")
 
     def build_cache(self, chunks: Sequence[KVChunk]) -> DynamicCache:
         """A transformers cache holding `chunks` back to back from position 0.

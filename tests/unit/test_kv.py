@@ -58,6 +58,38 @@ def test_fp32_round_trip_is_exact_and_cast_on_decode():
     assert half.keys.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "float8_e4m3fn"])
+def test_first_layers_decode_those_layers_alone_and_go_no_further(dtype):
+    """A decode of the first layers (the source model's crux choice needs no more) gives exactly
+    those layers of the whole decode, still checks the whole frame, and is never stored or placed."""
+    model = ModelFingerprint("llama", "c" * 64, "t" * 64, "w" * 64, num_layers=3, num_kv_heads=2, head_dim=4)
+    data = make_chunk(model=model).to_bytes(dtype)
+    whole = KVChunk.from_bytes(data, expect_model=model)
+    first = KVChunk.from_bytes(data, expect_model=model, first_layers=2)
+    assert first.partial and not whole.partial and first.keys.shape[0] == 2
+    assert torch.equal(first.keys, whole.keys[:2]) and torch.equal(first.values, whole.values[:2])
+    assert first.to(torch.float32).first_layers == 2
+    with pytest.raises(ValueError, match="never stored"):
+        first.to_bytes()
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="first_layers"):
+            KVChunk.from_bytes(data, first_layers=bad)
+    broken = bytearray(data)
+    broken[-5] ^= 0xFF  # in the last tensor, not in the layers decoded: the checksum still refuses it
+    with pytest.raises(ChecksumError):
+        KVChunk.from_bytes(bytes(broken), first_layers=1)
+
+
+def test_a_partial_chunk_serves_only_a_forward_that_short(tiny):
+    """Placing it, or a forward deeper than its layers, is refused by the model's own check."""
+    chunk = tiny.prefill("Zorblat keeps 417 maps in the tower.")
+    first = KVChunk.from_bytes(chunk.to_bytes(), first_layers=1)
+    tiny.check_chunk(first, layers=1)
+    for layers in (None, 2):
+        with pytest.raises(ValueError, match="first 1"):
+            tiny.check_chunk(first, layers=layers)
+
+
 def test_storage_size_scales_with_dtype():
     chunk = make_chunk(tokens=64)
     assert len(chunk.to_bytes("float32")) - len(chunk.to_bytes("bfloat16")) == chunk.keys.numel() * 2 * 2
