@@ -51,8 +51,9 @@ PATHS = ("native", "native+repair", "translated", "translated+repair", "direct")
 DEFAULT_MIN_RETENTION = 0.6
 NATIVE_LOOKUP_FILE = "native_lookup.json"
 # What choosing the crux costs before the recompute, cheapest first (at 4K into Qwen2.5: the
-# first tokens and the index's sentence vectors are free, the source model's question forward
-# ~0.45 s, a partial prefill of the target's first layers for CacheBlend's deviation ~2 s).
+# first tokens and the index's sentence vectors are free, the source model's choice ~0.18 s on
+# an Intel Xeon with AMX (its chunks read, its two question forwards), a partial prefill of the
+# target's first layers for CacheBlend's deviation ~2 s on the AMD host).
 SELECT_COST = ("first_k", "retriever", "retriever_chunk", "source_retriever", "source", "source_chunk",
                "question", "deviation")
 
