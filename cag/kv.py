@@ -340,8 +340,8 @@ class KVChunk:
         # Geometry of the whole chunk first (the scales' expected shapes come from the codes').
         _validate_tensors(keys, values, tensors["token_ids"], tensors["offsets"], model)
         if first_layers is not None:
-            if not 1 <= first_layers <= model.num_layers:
-                raise ValueError(f"first_layers must be in [1, {model.num_layers}], got {first_layers}")
+            _validate_tensors(keys[:first_layers], values[:first_layers], tensors["token_ids"], tensors["offsets"],
+                              model, first_layers)  # a count out of range is refused before any decode
             kept = set(_KV_NAMES[:2]) | (set(_SCALE_NAMES) if quantized else set())
             tensors = {name: t[:first_layers] if name in kept else t for name, t in tensors.items()}
             keys, values = tensors["keys"], tensors["values"]
