@@ -176,3 +176,23 @@ def test_question_guided_recompute_needs_the_question(parts):
         asm.place(chunks, recompute_ratio=0.2, recompute_select="question")
     with pytest.raises(ValueError, match="recompute_select"):
         asm.place(chunks, recompute_ratio=0.2, recompute_select="random")
+
+
+def test_recompute_cache_writes_the_chosen_positions_in_place_once():
+    """The recompute's cache is the placed buffer: a forward's K/V land at the chosen positions, the rest
+    stay as placed, the length seen before the forward is the kept tokens', and a second write is refused."""
+    from cag.models.attention import recompute_cache
+
+    keys, values = torch.zeros(2, 3, 6, 4), torch.ones(2, 3, 6, 4)
+    chosen = torch.tensor([1, 4])
+    cache = recompute_cache(keys, values, chosen)
+    assert cache.get_seq_length() == 4
+    new = torch.full((1, 3, 2, 4), 7.0)
+    k, v = cache.layers[0].update(new, new * 2)
+    assert k.data_ptr() == keys[0].data_ptr() and cache.layers[0].get_seq_length() == 6
+    assert torch.equal(keys[0, :, chosen], new[0]) and torch.equal(values[0, :, chosen], new[0] * 2)
+    assert keys[0, :, [0, 2, 3, 5]].abs().sum() == 0 and keys[1].abs().sum() == 0  # nothing else written
+    with pytest.raises(RuntimeError, match="one forward"):
+        cache.layers[0].update(new, new)
+    with pytest.raises(RuntimeError, match="one forward"):
+        cache.layers[1].update(torch.zeros(1, 3, 3, 4), torch.zeros(1, 3, 3, 4))
