@@ -261,22 +261,16 @@ class Assembler:
         heads = torch.stack(per_layer)
         return heads if per_head else heads.mean(dim=(0, 1))
 
-    @torch.inference_mode()
     def context_attention(self, chunks: Sequence[KVChunk], question_ids: torch.Tensor,
                           per_head: bool = False, num_layers: int | None = None) -> torch.Tensor:
-        """`question_mass` of `question_ids` over head + `chunks` placed as stored (no recompute);
-        `num_layers`: of the first layers only (cheaper: the rest are not run)."""
-        parts = [self.prefix(), *chunks]
-        for chunk in chunks:
-            self.target.check_chunk(chunk)
-        dtype = self.target.dtype
-        upto = num_layers or self.target.adapter.num_layers  # the layers the forward will not reach: not placed
-        keys = concat_tokens([c.keys[:upto] for c in parts], dtype)
-        values = concat_tokens([c.values[:upto] for c in parts], dtype)
-        total = keys.shape[2]
-        self.target.adapter.rotate(keys, torch.arange(total), out=keys)
-        with self.model_lock:
-            return self.question_mass(keys, values, total, question_ids, per_head=per_head, num_layers=num_layers)
+        """`question_mass` of `question_ids` over head + `chunks` placed as stored (no recompute),
+        ``[layers, heads, total]`` with `per_head`; `num_layers`: of the first layers only (the rest
+        are not run). `heads_attention` over every head of those layers."""
+        layers = num_layers or self.target.adapter.num_layers
+        n_heads = self.target.model.config.num_attention_heads
+        (mass,) = self.heads_attention(chunks, [question_ids], [(l, h) for l in range(layers) for h in range(n_heads)])
+        mass = mass.view(layers, n_heads, -1)
+        return mass if per_head else mass.mean(dim=(0, 1))
 
     @torch.inference_mode()
     def heads_attention(self, chunks: Sequence[KVChunk], questions: Sequence[torch.Tensor],
