@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import struct
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def make_chunk(tokens: int = 5, model: ModelFingerprint = FP) -> KVChunk:
 
 
 def frame(payload: bytes) -> bytes:
-    return kv._HEADER.pack(kv._MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
+    return kv._frame(payload)
 
 
 def payload_with(tensors=None, meta_overrides=None, drop=()):
@@ -115,8 +116,39 @@ def test_bad_checksum():
         KVChunk.from_bytes(bytes(data))
 
 
+def version1_frame(payload: bytes) -> bytes:
+    """A frame as cag wrote them before frame version 2: a 32-byte SHA-256 where XXH3-128 is now."""
+    return struct.pack("<8sQ32s", b"CAGKV\x00\x01\x00", len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_version1_frames_are_read_as_they_were(dtype):
+    """Stores written before the XXH3 frame keep working, unchanged: same tensors, same checks."""
+    new = make_chunk().to_bytes(dtype)
+    assert new[:8] == b"CAGKV\x00\x02\x00" and kv._unframe_at(new)[1] == kv._HEADER.size == 32
+    payload = new[kv._HEADER.size:]
+    old = version1_frame(payload)
+    a, b = KVChunk.from_bytes(new), KVChunk.from_bytes(old)
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.offsets, b.offsets)
+    assert read_metadata(old) == read_metadata(new)
+    corrupt = bytearray(old)
+    corrupt[-5] ^= 0xFF
+    with pytest.raises(ChecksumError):
+        KVChunk.from_bytes(bytes(corrupt))
+    for cut in (5, 40, len(old) - 1):
+        with pytest.raises(TruncatedChunkError):
+            KVChunk.from_bytes(old[:cut])
+
+
+def test_a_frame_version_this_cag_does_not_read_is_named():
+    data = bytearray(make_chunk().to_bytes())
+    data[6] = 9
+    with pytest.raises(ChunkFormatError, match="frame version 9"):
+        KVChunk.from_bytes(bytes(data))
+
+
 def test_not_a_chunk():
-    with pytest.raises(ChunkFormatError, match="bad magic"):
+    with pytest.raises(ChunkFormatError, match="not a cag chunk"):
         KVChunk.from_bytes(b"PK\x03\x04" + b"\x00" * 100)
     with pytest.raises(ChunkFormatError, match="is bytes"):
         KVChunk.from_bytes("a string")  # type: ignore[arg-type]

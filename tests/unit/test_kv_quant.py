@@ -12,7 +12,6 @@ Stated error bounds (elementwise, decoded in fp32, against the tensors encoded):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from functools import lru_cache
@@ -57,7 +56,7 @@ def make_chunk(tokens: int = 48, model: ModelFingerprint = FP, seed: int = 0, ke
 
 
 def frame(payload: bytes) -> bytes:
-    return kv._HEADER.pack(kv._MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
+    return kv._frame(payload)
 
 
 def payload_of(data: bytes) -> bytes:
@@ -359,7 +358,7 @@ def test_fuzz_bit_flips_of_frames(fmt, flips):
 @FUZZ
 @given(frames, st.data())
 def test_fuzz_bit_flips_behind_a_valid_checksum(fmt, data):
-    """Flips in the payload, re-framed with its right sha256: the parser and the
+    """Flips in the payload, re-framed with its right checksum: the parser and the
     validator must catch what the checksum no longer does. A flip in tensor data
     may still decode; then it must be a valid chunk (finite K/V for 8-bit ones)."""
     payload = bytearray(payload_of(real_frames()[fmt]))

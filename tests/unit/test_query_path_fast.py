@@ -6,7 +6,6 @@ and compares: cached cos/sin tables, rotation in place, assembly into one buffer
 zero-copy chunk decoding, and translation batched over the chunks of one query.
 """
 
-import hashlib
 import json
 import struct
 
@@ -224,7 +223,7 @@ def test_zero_copy_load_equals_the_copying_load(tiny, fmt):
 
 
 def reframe(payload: bytes) -> bytes:
-    return kv._HEADER.pack(kv._MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
+    return kv._frame(payload)
 
 
 def edited_payload(edit) -> bytes:
