@@ -54,6 +54,9 @@ class Placed:
     recomputed_tokens: int
     assemble_s: float
     recompute_s: float
+    # With `place(with_question=...)` and a recompute: the logits of the question's last token, read
+    # in the recompute's forward; the cache then holds the question too. None: prefill the question.
+    question_logits: torch.Tensor | None = None
 
 
 class Assembler:
@@ -117,7 +120,7 @@ class Assembler:
     def place(self, chunks: Sequence[KVChunk], *, recompute_ratio: float = 0.0,
               recompute_select: str = "deviation", question_ids: torch.Tensor | None = None,
               first_k: int = 0, positions: torch.Tensor | None = None,
-              key_scales: Sequence[float] | None = None) -> Placed:
+              key_scales: Sequence[float] | None = None, with_question: torch.Tensor | None = None) -> Placed:
         """Build the cache of head + `chunks` (target-space), recomputing some tokens.
 
         `recompute_select`: which tokens are recomputed; ``"deviation"`` (CacheBlend:
@@ -131,6 +134,15 @@ class Assembler:
         (after any recompute, so the recomputed tokens were computed against the keys as
         stored). Below 1 the question's logits over that chunk flatten: its pull weakens
         (`CachedContext.rank_key_decay`). ``None``: every chunk as it is.
+
+        `with_question`: the question's ids, run in the recompute's forward after the chosen
+        tokens (one pass over the weights instead of two: at 4K into Qwen2.5 the separate
+        question prefill was 0.155 s, most of it reading the weights). The cache comes back
+        holding the question and `Placed.question_logits` holds its last token's logits, what a
+        separate prefill of the question over the finished cache would give (it reads the keys
+        as `key_scales` leave them). Only with a recompute (else the caller prefills the
+        question) and only for the model's own attention: under a context temperature or
+        scale the caller prefills the question itself.
         """
         if key_scales is not None and len(key_scales) != len(chunks):
             raise ValueError(f"key_scales has {len(key_scales)} factors for {len(chunks)} chunks")
@@ -153,13 +165,7 @@ class Assembler:
         adapter, dtype = self.target.adapter, self.target.dtype
         context_ids = torch.cat([c.token_ids for c in parts])
         total = context_ids.numel()
-        adapter.check_placement(total)
-        # One buffer per kind for the whole sequence; keys are rotated in place in it.
-        keys = concat_tokens([c.keys for c in parts], dtype)
-        values = concat_tokens([c.values for c in parts], dtype)
-        adapter.rotate(keys, torch.arange(total), out=keys)
         n_prefix = parts[0].num_tokens
-        recompute_started = time.perf_counter()
         given = None
         if recompute_select == "first_k":
             given = first_k_positions([c.num_tokens for c in chunks], n_prefix, first_k)
@@ -169,6 +175,23 @@ class Assembler:
             if given.numel() and (given.min() < n_prefix or given.max() >= total):
                 raise ValueError(f"recompute positions must lie in the context [{n_prefix}, {total})")
         n_recompute = given.numel() if given is not None else round(recompute_ratio * (total - n_prefix))
+        # Nothing to recompute: the caller prefills the question itself.
+        n_question = with_question.numel() if with_question is not None and n_recompute else 0
+        adapter.check_placement(total + n_question)
+        # One buffer per kind for the whole sequence (and the question's room, zeros until the
+        # forward writes it); keys are rotated in place in it.
+        keys = concat_tokens([c.keys for c in parts], dtype, room=n_question)
+        values = concat_tokens([c.values for c in parts], dtype, room=n_question)
+        adapter.rotate(keys[:, :, :total], torch.arange(total), out=keys[:, :, :total])
+        recompute_started = time.perf_counter()
+        scales = None
+        if key_scales is not None and any(f != 1.0 for f in key_scales):
+            scales = torch.ones(total + n_question, dtype=torch.float32)  # one factor per position
+            start = n_prefix
+            for chunk, f in zip(chunks, key_scales):
+                scales[start:start + chunk.num_tokens] = f
+                start += chunk.num_tokens
+        question_logits = None
         if n_recompute:
             with self.model_lock:
                 if given is not None:
@@ -176,12 +199,16 @@ class Assembler:
                 elif n_recompute >= total - n_prefix:
                     chosen = torch.arange(n_prefix, total)
                 elif recompute_select == "question":
-                    chosen = self._question_guided(keys, values, context_ids, n_prefix, n_recompute, question_ids)
+                    chosen = self._question_guided(keys[:, :, :total], values[:, :, :total], context_ids, n_prefix,
+                                                   n_recompute, question_ids)
                 else:
-                    chosen = self._most_deviating(keys, values, context_ids, n_prefix, n_recompute)
-                keys, values = self._recompute(keys, values, context_ids, chosen)
+                    chosen = self._most_deviating(keys[:, :, :total], values[:, :, :total], context_ids, n_prefix,
+                                                  n_recompute)
+                question_logits = self._recompute(keys, values, context_ids, chosen,
+                                                  question_ids=with_question if n_question else None,
+                                                  question_key_scale=scales)
         recompute_s = time.perf_counter() - recompute_started
-        if key_scales is not None:
+        if scales is not None:
             # Rotation is linear: scaling the rotated keys scales the logits. In place, in inference
             # mode, since a recompute's keys are inference tensors (the buffer is this call's own).
             with torch.inference_mode():
@@ -192,7 +219,7 @@ class Assembler:
                     start += chunk.num_tokens
         cache = adapter.fill_cache(keys, values)
         return Placed(cache, context_ids, n_prefix, n_recompute,
-                      time.perf_counter() - started - recompute_s, recompute_s)
+                      time.perf_counter() - started - recompute_s, recompute_s, question_logits)
 
     # ------------------------------------------------------ selective recompute
 
@@ -326,22 +353,36 @@ class Assembler:
 
     @torch.inference_mode()
     def _recompute(self, keys: torch.Tensor, values: torch.Tensor, context_ids: torch.Tensor,
-                   chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   chosen: torch.Tensor, *, question_ids: torch.Tensor | None = None,
+                   question_key_scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """Recompute the `chosen` context positions of the rotated `keys`/`values` (position order).
 
-        Writes the new K/V into `keys` and `values` themselves (the caller's own buffers) and
-        returns them. Called by `place` with the model lock held (the forward shares the model)."""
+        Writes the new K/V into `keys` and `values` themselves (the caller's own buffers). With
+        `question_ids` (the buffers then have room for them after the context) the question runs in
+        the same forward, after the chosen tokens, reading the keys times `question_key_scale`; its
+        last token's logits are returned (else None). Called by `place` with the model lock held
+        (the forward shares the model)."""
+        from cag.generate import head_logits
         from cag.models.attention import blocked_recompute, recompute_cache
 
         total = context_ids.numel()
         chosen = torch.sort(chosen).values
+        ids = context_ids[chosen]
+        if question_ids is not None:
+            chosen = torch.cat([chosen, torch.arange(total, total + question_ids.numel())])
+            ids = torch.cat([ids, question_ids.to(ids.dtype)])
+        size = keys.shape[2]
         cache = recompute_cache(keys, values, chosen)
-        with blocked_recompute(self.target.model, chosen, total, self.recompute_block):  # skips hidden scores
-            self.target.forward_for_cache(  # the K/V only: no last MLP, no head
-                cache, input_ids=context_ids[chosen][None].to(self.target.device),
-                position_ids=chosen[None].to(self.target.device),
-                attention_mask=self._recompute_masks(chosen, total))
-        return keys, values
+        forward = dict(input_ids=ids[None].to(self.target.device), position_ids=chosen[None].to(self.target.device),
+                       attention_mask=self._recompute_masks(chosen, size))
+        with blocked_recompute(self.target.model, chosen, size, self.recompute_block,  # skips hidden scores
+                               question_from=None if question_ids is None else total,
+                               question_key_scale=question_key_scale if question_ids is not None else None):
+            if question_ids is None:
+                self.target.forward_for_cache(cache, **forward)  # the K/V only: no last MLP, no head
+                return None
+            hidden = self.target.model.model(past_key_values=cache, use_cache=True, **forward).last_hidden_state
+        return head_logits(self.target.model, hidden[0, -1:])[-1]
 
     def _recompute_masks(self, chosen: torch.Tensor, total: int):
         """Additive masks for the recomputed tokens over every position, in position order:

@@ -94,6 +94,9 @@ class Prepared:
     answer: "Answer"  # sources, timings so far, warnings; text still empty
     started: float  # perf_counter at the start of the query
     context_span: tuple[int, int] | None = None  # [first, end) positions of the placed chunks (after the head)
+    # `prepare(with_question=True)` with a recompute: the question was read in the recompute's forward, the
+    # cache holds it, and these are its last token's logits (generation starts from them). None: prefill it.
+    first_logits: Any = None
 
 
 @dataclass
@@ -421,7 +424,8 @@ class CachedContext(BaseModel):
         return self._last_answer
 
     def prepare(self, question: str, hits: list[Any] | None = None, *,
-                max_new_tokens: int | None = None, repair: dict | None = None) -> "Prepared":
+                max_new_tokens: int | None = None, repair: dict | None = None,
+                with_question: bool = False) -> "Prepared":
         """Everything before the question is read: retrieve, load, translate, place.
 
         Returns the placed cache and the question's ids; `stream` prefills the
@@ -463,7 +467,8 @@ class CachedContext(BaseModel):
         with asm.model_lock:
             placed = asm.place(chunks, recompute_ratio=ratio, recompute_select=select, question_ids=question_ids,
                                first_k=self.recompute_first_k, positions=positions,
-                               key_scales=self.rank_key_scales(used))
+                               key_scales=self.rank_key_scales(used),
+                               with_question=question_ids if with_question else None)
         timings.assemble, timings.recompute = placed.assemble_s, placed.recompute_s
         for note in notes:
             warnings.warn(note, stacklevel=3)
@@ -471,7 +476,8 @@ class CachedContext(BaseModel):
         answer = Answer("", used, timings, context_tokens=placed.context_ids.numel() - placed.prefix_tokens,
                         recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method,
                         path=path + ("+repair" if placed.recomputed_tokens else ""))
-        return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()))
+        return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()),
+                        placed.question_logits)
 
     def stream(self, question: str, hits: list[Any] | None = None, *,
                max_new_tokens: int | None = None) -> Generator[str, None, Answer]:
@@ -490,16 +496,20 @@ class CachedContext(BaseModel):
         lm, _, asm = self._ready()
         max_new = max_new_tokens or self.max_new_tokens
         with asm.model_lock:
-            prepared = self.prepare(question, hits, max_new_tokens=max_new, repair=served_repair(decision))
+            temperature, scale = self.ape_settings()
+            # With a recompute the question is read in its forward (one pass over the weights, not two),
+            # unless the question's attention is APE's, which that forward does not apply.
+            prepared = self.prepare(question, hits, max_new_tokens=max_new, repair=served_repair(decision),
+                                    with_question=(temperature, scale) == (1.0, 1.0))
             answer, t0 = prepared.answer, prepared.started
             self._gate_answer(answer, decision, lm)
             self._last_answer = answer
-            temperature, scale = self.ape_settings()
 
             def ape():
                 return context_temperature(lm.model, *prepared.context_span, temperature=temperature, scale=scale)
             steps = _within(ape, stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
-                                               max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer)))
+                                               max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer),
+                                               first_logits=prepared.first_logits))
             yield from _timed(steps, answer, t0)
         return answer  # the generator's value: this stream's own Answer, whatever other threads did
 

@@ -72,7 +72,12 @@ def last_logits(model, input_ids: torch.Tensor, cache: DynamicCache, *, position
     vocabulary on a CPU, more than the rest of the forward.
     """
     hidden = model.model(input_ids=input_ids, past_key_values=cache, use_cache=True).last_hidden_state
-    logits = model.lm_head(hidden[0, -positions:].contiguous())
+    return head_logits(model, hidden[0, -positions:])
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head (and the final logit soft-cap, where the model has one) over ``[positions, hidden]``."""
+    logits = model.lm_head(hidden.contiguous())
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
@@ -81,17 +86,21 @@ def last_logits(model, input_ids: torch.Tensor, cache: DynamicCache, *, position
 
 @torch.inference_mode()
 def stream_tokens(model, tokenizer, cache: DynamicCache, question_ids: torch.Tensor, *,
-                  max_new_tokens: int, stop_ids: set[int]) -> Iterator[Step]:
+                  max_new_tokens: int, stop_ids: set[int], first_logits: torch.Tensor | None = None) -> Iterator[Step]:
     """Prefill `question_ids` against `cache`, then decode greedily; yields each token.
 
     The cache is extended in place. Text is decoded incrementally over the whole
     generation so that multi-byte characters split across tokens come out whole.
+    `first_logits`: the question is in `cache` already (read in a recompute's forward,
+    `Assembler.place(with_question=...)`) and these are its last token's logits.
     """
     if question_ids.numel() == 0:
         raise ValueError("nothing to prefill: the question has no tokens")
     device = next(model.parameters()).device
     started = time.perf_counter()
-    logits = last_logits(model, question_ids[None].to(device), cache)[-1]
+    if first_logits is None:
+        first_logits = last_logits(model, question_ids[None].to(device), cache)[-1]
+    logits = first_logits
     generated: list[int] = []
     shown = ""
     for _ in range(max_new_tokens):
@@ -113,12 +122,12 @@ def stream_tokens(model, tokenizer, cache: DynamicCache, question_ids: torch.Ten
 
 
 def generate(model, tokenizer, cache: DynamicCache, question_ids: torch.Tensor, *,
-             max_new_tokens: int, stop_ids: set[int]) -> Generation:
+             max_new_tokens: int, stop_ids: set[int], first_logits: torch.Tensor | None = None) -> Generation:
     """`stream_tokens`, collected; with the question-prefill and decode times split."""
     out = Generation()
     started = time.perf_counter()
     for step in stream_tokens(model, tokenizer, cache, question_ids, max_new_tokens=max_new_tokens,
-                              stop_ids=stop_ids):
+                              stop_ids=stop_ids, first_logits=first_logits):
         if step.token_id is None:
             continue
         if not out.token_ids:

@@ -181,8 +181,8 @@ def recomputed_crux(asm, chunks: list, positions: torch.Tensor, *, key_scale: fl
     context_ids = torch.cat([prefix.token_ids, *[c.token_ids for c in chunks]])
     positions = torch.unique(positions.to(torch.long))  # sorted, as the recompute reads them
     with asm.model_lock:
-        new_keys, new_values = asm._recompute(rotated, values, context_ids, positions)
-    return positions, new_keys[:, :, positions].clone(), new_values[:, :, positions].clone()
+        asm._recompute(rotated, values, context_ids, positions)  # writes the crux into these buffers
+    return positions, rotated[:, :, positions].clone(), values[:, :, positions].clone()
 
 
 @torch.no_grad()  # not inference_mode: the fit backpropagates through these keys

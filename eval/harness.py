@@ -130,6 +130,9 @@ class _Run:
     warnings: list[str]
     context_span: tuple[int, int] | None = None  # placed context block, for APE's temperature and scale
     recomputed_tokens: int = 0
+    # The question read in the recompute's forward, as `CachedContext.stream` serves it: the cache holds
+    # the question and these are its last token's logits. None: the question is prefilled over the cache.
+    first_logits: torch.Tensor | None = None
 
 
 class ItemRunner:
@@ -188,23 +191,30 @@ class ItemRunner:
         if base.recompute_select in GUIDED_SELECT and base.recompute_ratio > 0 and chunks:
             # Chosen as a query would: the store's source model (or the retriever) over the same hits.
             positions = base._guided_positions(item.question, chunks, hits, asm)
+        merge = base.ape_settings(native=True) == (1.0, 1.0)  # as a native `CachedContext.stream` serves it
         placed = asm.place(chunks, recompute_ratio=base.recompute_ratio, recompute_select=base.recompute_select,
                            question_ids=question_ids, first_k=base.recompute_first_k, positions=positions,
-                           key_scales=base.rank_key_scales(hits, native=True))
+                           key_scales=base.rank_key_scales(hits, native=True),
+                           with_question=question_ids if merge else None)
         return _Run(placed.cache, question_ids,
                     placed.context_ids.numel() - placed.prefix_tokens, time.perf_counter() - started, [],
-                    (placed.prefix_tokens, placed.context_ids.numel()), placed.recomputed_tokens)
+                    (placed.prefix_tokens, placed.context_ids.numel()), placed.recomputed_tokens,
+                    placed.question_logits)
 
     def _cached_run(self, ctx: CachedContext, item, hits) -> _Run:
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            prepared = ctx.prepare(item.question, hits, max_new_tokens=self.max_new_tokens)
+            # As `stream` serves it: with a recompute and the model's own attention, the question is read in
+            # the recompute's forward (the same logits up to rounding, one pass over the weights fewer).
+            prepared = ctx.prepare(item.question, hits, max_new_tokens=self.max_new_tokens,
+                                   with_question=ctx.ape_settings() == (1.0, 1.0))
         t = prepared.answer.timings
         setup = t.load + t.translate + t.assemble + t.choose + t.recompute
         return _Run(prepared.cache, prepared.question_ids, prepared.answer.context_tokens, setup,
-                    list(prepared.answer.warnings), prepared.context_span, prepared.answer.recomputed_tokens)
+                    list(prepared.answer.warnings), prepared.context_span, prepared.answer.recomputed_tokens,
+                    prepared.first_logits)
 
     # ----------------------------------------------------------- measurement
 
@@ -217,8 +227,14 @@ class ItemRunner:
     @torch.inference_mode()
     def teacher_forced(self, run: _Run, gold: torch.Tensor) -> torch.Tensor:
         """Log-probs of the `gold` ids after the question, from a copy of the run's cache."""
-        ids = torch.cat([run.question_ids, gold[:-1]])
-        logits = last_logits(self.lm.model, ids[None], copy.deepcopy(run.cache), positions=gold.numel())
+        if run.first_logits is None:
+            ids = torch.cat([run.question_ids, gold[:-1]])
+            logits = last_logits(self.lm.model, ids[None], copy.deepcopy(run.cache), positions=gold.numel())
+        else:  # the cache holds the question already
+            logits = run.first_logits[None]
+            if gold.numel() > 1:
+                rest = last_logits(self.lm.model, gold[None, :-1], copy.deepcopy(run.cache), positions=gold.numel() - 1)
+                logits = torch.cat([logits, rest])
         return torch.log_softmax(logits.float(), -1)
 
     def _ape(self, name: str, run: _Run):
@@ -272,7 +288,7 @@ class ItemRunner:
         for name, run in runs.items():
             with self._ape(name, run):
                 gen = generate(self.lm.model, self.lm.tokenizer, run.cache, run.question_ids,
-                               max_new_tokens=self.max_new_tokens, stop_ids=stops)
+                               max_new_tokens=self.max_new_tokens, stop_ids=stops, first_logits=run.first_logits)
             is_direct = name == DIRECT
             results[name] = ConditionResult(
                 condition=name, answer=gen.text.strip(),

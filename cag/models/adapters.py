@@ -224,8 +224,9 @@ def _fill_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     layer.keys, layer.values = keys, values
 
 
-def concat_tokens(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``[layers, heads, n_i, dim]`` tensors back to back along the tokens, in `dtype`.
+def concat_tokens(tensors: Sequence[torch.Tensor], dtype: torch.dtype, room: int = 0) -> torch.Tensor:
+    """``[layers, heads, n_i, dim]`` tensors back to back along the tokens, in `dtype`,
+    followed by `room` positions of zeros (for tokens a forward will write there).
 
     One tensor is allocated for the whole sequence and each part is copied (and cast)
     into its slice once, where ``torch.cat(...).to(dtype)`` would copy twice when the
@@ -235,11 +236,12 @@ def concat_tokens(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.
         raise ValueError("nothing to concatenate")
     first = tensors[0]
     total = sum(t.shape[2] for t in tensors)
-    out = torch.empty((first.shape[0], first.shape[1], total, first.shape[3]), dtype=dtype, device=first.device)
+    out = torch.empty((first.shape[0], first.shape[1], total + room, first.shape[3]), dtype=dtype, device=first.device)
     start = 0
     for t in tensors:
         out[:, :, start : start + t.shape[2]].copy_(t)
         start += t.shape[2]
+    out[:, :, total:].zero_()
     return out
 
 

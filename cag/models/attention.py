@@ -211,7 +211,8 @@ def recompute_cache(keys: torch.Tensor, values: torch.Tensor, chosen: torch.Tens
 
 
 @contextmanager
-def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64):
+def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64, *,
+                      question_from: int | None = None, question_key_scale: torch.Tensor | None = None):
     """A selective recompute's forward, with each block of queries attending only to keys it can see.
 
     The recompute forward runs the `chosen` context positions (sorted) over a cache of all
@@ -229,12 +230,23 @@ def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64):
     Only a forward whose shapes are the recompute's is blocked; any other passes through.
     Under sdpa each block calls torch's kernel itself with ``enable_gqa``: transformers
     copies every key/value head once per query head whenever a mask is given (Qwen2.5: 7×).
+
+    `question_from`: the chosen positions from this one on are the question's, run in the
+    same forward (`Assembler.place(with_question=...)`): they go in a block of their own, and
+    with `question_key_scale` (one factor per position) they read the keys multiplied by it,
+    as the question of a separate forward reads a cache whose keys were scaled after the
+    recompute (the rank key decay); the buffers themselves are not scaled here.
     """
     n_chosen = chosen.numel()
     if n_chosen and (not bool((chosen[1:] > chosen[:-1]).all()) or chosen[0] < 0 or chosen[-1] >= total):
         raise ValueError(f"chosen positions must be sorted, distinct and within [0, {total})")
+    if question_key_scale is not None and (question_from is None or question_key_scale.shape != (total,)):
+        raise ValueError(f"question_key_scale needs question_from and one factor for each of the {total} positions")
     own_kernel = getattr(model.config, "_attn_implementation", None) == "sdpa"
-    blocks = [(r0, min(r0 + block, n_chosen)) for r0 in range(0, n_chosen, block)]
+    n_context = n_chosen if question_from is None else int((chosen < question_from).sum())
+    blocks = [(r0, min(r0 + block, n_context)) for r0 in range(0, n_context, block)]
+    if n_context < n_chosen:
+        blocks.append((n_context, n_chosen))  # the question: one block, after every context block
     spans: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
 
     def spans_for(window: int | None, dtype: torch.dtype, device) -> list[tuple[int, int, torch.Tensor]]:
@@ -257,14 +269,18 @@ def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64):
 
     def wrap(original):
         def wrapper(module, query, key, value, attention_mask, **kwargs):
-            if (len(blocks) < 2 or query.shape[2] != n_chosen or key.shape[2] != total
-                    or attention_mask is None or attention_mask.dim() != 4):
+            if ((len(blocks) < 2 and question_key_scale is None) or query.shape[2] != n_chosen
+                    or key.shape[2] != total or attention_mask is None or attention_mask.dim() != 4):
                 return original(module, query, key, value, attention_mask, **kwargs)
             plain = own_kernel and kwargs.get("softcap") is None and getattr(module, "sinks", None) is None
             outputs = []
             for (r0, r1), (lo, hi, mask) in zip(blocks, spans_for(kwargs.get("sliding_window"),
                                                                  query.dtype, query.device)):
                 q, k, v = query[:, :, r0:r1], key[:, :, lo:hi], value[:, :, lo:hi]
+                if question_key_scale is not None and r0 == n_context:
+                    # A scaled copy, the question's alone, rounded as the buffer scaled in place would be
+                    # (a bf16 tensor times a float scalar is computed in fp32).
+                    k = (k.float() * question_key_scale[lo:hi].to(k.device, torch.float32)[:, None]).to(k.dtype)
                 if plain:
                     out = torch.nn.functional.scaled_dot_product_attention(
                         q, k, v, attn_mask=mask, scale=kwargs.get("scaling"),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cag.assembler import Assembler
-from cag.generate import generate, stop_token_ids
+from cag.generate import generate, stop_token_ids, stream_tokens
 from cag.prompt import layout_for
 
 TEXTS = ["Zorblat the archivist keeps 417 maps in the tower of Velmora, wrote Idris.",
@@ -57,6 +57,43 @@ def test_blocked_recompute_is_the_dense_one(tiny, parts, select):
     full = asm.place(chunks, recompute_ratio=1.0)
     torch.testing.assert_close(question_logits(tiny, full.cache, q), direct_logits(tiny, asm, chunks, q),
                                atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("key_scales", [None, (1.0, 0.9, 0.81)])
+@pytest.mark.parametrize("block", [3, 10**6])
+def test_the_question_read_in_the_recompute_forward_is_its_own_prefill(tiny, parts, key_scales, block):
+    """`with_question`: the recompute's forward reads the question too. Its logits and the cache it
+    leaves (question included) are what a separate question prefill over the finished cache gives,
+    the rank key decay's scaled keys and a sliding window's kept tokens included; the generation
+    that follows is the same."""
+    asm, chunks = parts
+    asm.recompute_block = block
+    q = asm.question_ids(QUESTION)
+    kw = dict(recompute_ratio=0.4, recompute_select="first_k", first_k=4, key_scales=key_scales)
+    apart = asm.place(chunks, **kw)
+    merged = asm.place(chunks, **kw, with_question=q)
+    assert apart.question_logits is None and merged.recomputed_tokens == apart.recomputed_tokens > 6
+    want = question_logits(tiny, apart.cache, q)[-1]  # extends apart.cache by the question
+    torch.testing.assert_close(merged.question_logits, want, atol=1e-5, rtol=1e-5)  # Gemma-3: logits ~60
+    for a, m in zip(apart.cache.layers, merged.cache.layers):
+        assert a.get_seq_length() == m.get_seq_length()
+        torch.testing.assert_close(m.keys, a.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(m.values, a.values, atol=1e-5, rtol=0)
+    stops = stop_token_ids(tiny.tokenizer)
+    again = asm.place(chunks, **kw)
+    merged = asm.place(chunks, **kw, with_question=q)
+    want = generate(tiny.model, tiny.tokenizer, again.cache, q, max_new_tokens=6, stop_ids=stops)
+    got = "".join(step.text for step in stream_tokens(tiny.model, tiny.tokenizer, merged.cache, q, max_new_tokens=6,
+                                                      stop_ids=stops, first_logits=merged.question_logits))
+    assert got == want.text
+
+
+def test_without_a_recompute_the_question_is_left_to_the_caller(tiny, parts):
+    asm, chunks = parts
+    q = asm.question_ids(QUESTION)
+    placed = asm.place(chunks, with_question=q)
+    assert placed.question_logits is None and placed.recomputed_tokens == 0
+    assert placed.cache.get_seq_length() == placed.context_ids.numel()  # no room left behind for it
 
 
 def test_no_recompute_keeps_each_chunk_as_stored(tiny, parts):

@@ -146,3 +146,36 @@ def test_source_retriever_fuses_the_two_choices_the_context_would_make(kb, monke
                                               [index.sentence_vectors(h.key) for h in used])
     assert spans == selection._choose(chunks, texts, selection.fused_sentence_scores(src, ret), budget)
     assert any(spans)
+
+
+@pytest.mark.parametrize("ape", [None, (0.5, 0.8)])
+def test_a_streamed_answer_reads_the_question_in_the_recompute_only_under_the_models_own_attention(kb, ape,
+                                                                                                    monkeypatch):
+    """`stream` reads the question in the recompute's forward (`prepare(with_question=True)`) when the
+    question's attention is the model's own; under APE it prefills the question, with APE applied. The
+    answer is the one a separate question prefill gives, either way."""
+    from cag.generate import generate, stop_token_ids
+    from cag.models.attention import context_temperature
+
+    extra = {} if ape is None else dict(context_temperature=ape[0], context_scale=ape[1])
+    c = ctx(kb, recompute_select="retriever", recompute_ratio=0.3, rank_key_decay=0.8, **extra)
+    lm = c.target_model
+    calls = []
+    original = CachedContext.prepare
+    monkeypatch.setattr(CachedContext, "prepare",
+                        lambda self, *a, **kw: calls.append(kw.get("with_question")) or original(self, *a, **kw))
+    got = c.answer(QUESTION)
+    monkeypatch.undo()
+    prepare = c.prepare
+    assert calls == [ape is None] and got.recomputed_tokens > 0
+    apart = prepare(QUESTION)
+    assert apart.first_logits is None
+    with context_temperature(lm.model, *apart.context_span, temperature=c.ape_settings()[0],
+                             scale=c.ape_settings()[1]):
+        want = generate(lm.model, lm.tokenizer, apart.cache, apart.question_ids, max_new_tokens=4,
+                        stop_ids=stop_token_ids(lm.tokenizer))
+    assert got.text == want.text
+    if ape is None:
+        merged = prepare(QUESTION, with_question=True)
+        assert merged.first_logits is not None
+        assert merged.cache.get_seq_length() == merged.context_span[1] + merged.question_ids.numel()

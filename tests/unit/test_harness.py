@@ -57,6 +57,10 @@ def test_conditions_and_self_consistency(setup):
         assert results[cond].context_tokens == results[DIRECT].context_tokens > 0
     assert results[NO_CONTEXT].context_tokens == 0
     assert results[NO_CONTEXT].kl_from_direct > 1e-3
+    # Scored as served: with a recompute and the model's own attention the question was read in the
+    # recompute's forward (and still gives direct context's log-probs and answer, above).
+    runs = runner.cache_runs(items[0], runner.hits_for(items[0]))
+    assert all(runs[c].first_logits is not None for c in (NATIVE, "cache:identity"))
     whole = runner.run(items[-1])
     assert whole[DIRECT].context_tokens == sum(lm_tokens for lm_tokens in [
         base.target_model.tokenize(h.text)[0].numel() for h in base.document_hits(["d0"])])
