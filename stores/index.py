@@ -156,6 +156,9 @@ class VectorIndex:
         self._rows: list[Row] = []
         self._index: faiss.Index | None = None if self.dim is None else _new_faiss_index(self.dim)
         self._sentences: dict[str, np.ndarray] = {}  # chunk key -> [sentences, dim], unit norm
+        # The last questions' vectors: a query embeds its question to search, and again to rank the
+        # retrieved chunks' sentences for a crux (cag.selection); the second time is a lookup.
+        self._recent: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------------ basics
 
@@ -175,8 +178,21 @@ class VectorIndex:
         return self._sentences.get(key)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Unit-norm embeddings of `texts` by this index's embedder (``[n, dim]``)."""
+        """Unit-norm embeddings of `texts` by this index's embedder (``[n, dim]``); a single text
+        searched or embedded lately is not embedded again."""
+        if len(texts) == 1:
+            return self._query_vector(texts[0])
         return self._embed(texts)
+
+    def _query_vector(self, text: str) -> np.ndarray:
+        """``[1, dim]``: one text's embedding, remembered for the next few queries (a copy each time)."""
+        vec = self._recent.get(text)
+        if vec is None:
+            vec = self._embed([text])
+            if len(self._recent) >= 32:
+                self._recent.clear()
+            self._recent[text] = vec
+        return vec.copy()
 
     def _embed(self, texts: Sequence[str]) -> np.ndarray:
         vecs = np.ascontiguousarray(np.asarray(self._embedder(list(texts)), dtype=np.float32))
@@ -262,7 +278,7 @@ class VectorIndex:
                 return []
             params = faiss.SearchParameters(sel=faiss.IDSelectorBatch(allowed))
             k = min(k, int(allowed.size))
-        q = self._embed([query])
+        q = self._query_vector(query)
         scores, ids = self._index.search(q, min(k, len(self._rows)), params=params)
         hits = []
         for score, i in zip(scores[0], ids[0]):

@@ -195,3 +195,27 @@ def test_corrupt_sentence_vectors_are_refused(tmp_path, fake_embedder):
     (tmp_path / SENTENCES_FILE).unlink()
     with pytest.raises(StoreIntegrityError, match="missing"):
         VectorIndex.load(tmp_path, fake_embedder)
+
+
+def test_a_question_searched_is_not_embedded_again_for_its_crux(fake_embedder):
+    """`search` and a one-text `embed` share the last questions' vectors: the crux's sentence ranking
+    (cag.selection) embeds the question the query just searched with, and gets the very same vector."""
+    calls: list[list[str]] = []
+
+    def counting(texts):
+        calls.append(list(texts))
+        return fake_embedder(texts)
+
+    counting.id, counting.dim = fake_embedder.id, fake_embedder.dim
+    idx = VectorIndex(counting)
+    idx.add([Row("k1", "d1", "alpha beta", 0, 10), Row("k2", "d2", "gamma delta", 0, 11)])
+    calls.clear()
+    hits = idx.search("alpha?", k=1)
+    again = idx.embed(["alpha?"])
+    assert calls == [["alpha?"]] and hits[0].key == "k1"
+    np.testing.assert_array_equal(again, fake_embedder(["alpha?"]) / np.linalg.norm(fake_embedder(["alpha?"])))
+    again[0, 0] = 99.0  # the caller's copy: the remembered vector is untouched
+    assert idx.embed(["alpha?"])[0, 0] != 99.0
+    idx.embed(["other", "texts"])  # several texts: embedded, never remembered
+    idx.embed(["other"])
+    assert calls == [["alpha?"], ["other", "texts"], ["other"]]
