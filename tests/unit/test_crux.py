@@ -114,7 +114,10 @@ def test_the_retrievers_sentences_come_from_the_index_not_a_query_time_embedding
     index._embedder = Counting()
     chunks, used = c._target_chunks(c._order(p.answer.sources), Timings(), [])
     spans = c._guided_spans(QUESTION, chunks, used, ratio=0.2, select="retriever")
-    assert calls == [1]
+    assert calls == []  # the query's search embedded the question: its vector is remembered
+    index._recent.clear()
+    assert c._guided_spans(QUESTION, chunks, used, ratio=0.2, select="retriever") == spans
+    assert calls == [1]  # otherwise the question alone
     fresh = selection.retriever_spans(index.embed, chunks, [h.text for h in used], QUESTION,
                                       round(0.2 * sum(ch.num_tokens for ch in chunks)))
     assert spans == fresh and any(spans) and calls[-1] > 1
