@@ -6,7 +6,8 @@
 
 `cag bench` compares every path with direct context in one run; comparing two commits' benches means two
 runs, minutes apart, on a shared machine. Here each tree answers the bench's question over the bench's
-4K-token essay (a SmolLM2 store, stored translations, the fused crux at `--ratio`, keys times `--key-scale`)
+4K-token essay (a SmolLM2 store, stored translations, the crux chosen by `--select` at `--ratio`, keys times
+`--key-scale`)
 in its own process (`--queries` answers after one warm-up, medians of each timing), and the trees take
 turns for `--rounds` rounds, so a slow minute of the host falls on all of them. Each tree's figure is the
 median over its rounds. Progress on stderr; the table on stdout and in `--out` (JSON) beside it.
@@ -25,7 +26,8 @@ from pathlib import Path
 # Run inside each tree's process: the tree's own code answers; its timings come back as one JSON line.
 CHILD = r"""
 import json, statistics, sys, tempfile, warnings
-tree, target, ratio, key_scale, queries = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+tree, target, ratio, key_scale, queries, select = (sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]),
+                                                  int(sys.argv[5]), sys.argv[6])
 sys.path.insert(0, tree)
 warnings.simplefilter("ignore")
 from pathlib import Path
@@ -42,7 +44,7 @@ with tempfile.TemporaryDirectory(prefix="cag-ab-") as tmp:
                           stored_translations=False)
     translate_store(store, plain.target_model, mapper="bottleneck")
     ctx = CachedContext(store=store, target=target, mapper="bottleneck", translation_cache_mb=0, max_new_tokens=1,
-                        min_retention=0.0, recompute_select="source_retriever", recompute_ratio=ratio,
+                        min_retention=0.0, recompute_select=select, recompute_ratio=ratio,
                         translated_key_scale=key_scale, stored_translations=True)
     hits = ctx.document_hits(["essay"])
     rows = []
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="qwen2.5-0.5b")
     ap.add_argument("--ratio", type=float, default=0.1)
     ap.add_argument("--key-scale", type=float, default=0.5)
+    ap.add_argument("--select", default="source_retriever")
     ap.add_argument("--queries", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path)
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         for tree in trees:
             print(f"round {r + 1}/{args.rounds}: {tree}", file=sys.stderr, flush=True)
             out = subprocess.run([sys.executable, "-c", CHILD, tree, args.target, str(args.ratio), str(args.key_scale),
-                                  str(args.queries)], capture_output=True, text=True, check=True)
+                                  str(args.queries), args.select], capture_output=True, text=True, check=True)
             runs[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
     rows = []
     for tree in trees:
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     from eval.harness import host_info
     report = {"command": " ".join(["python", "eval/ab_crux_trees.py", *(argv if argv is not None else sys.argv[1:])]),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": host_info(),
-              "target": args.target, "ratio": args.ratio, "key_scale": args.key_scale, "queries": args.queries,
+              "target": args.target, "ratio": args.ratio, "select": args.select, "key_scale": args.key_scale,
+              "queries": args.queries,
               "rows": rows}
     lines = ["| tree | " + " | ".join(KEYS) + " |", "|" + " --- |" * (len(KEYS) + 1)]
     lines += [f"| {r['revision']} | " + " | ".join(f"{r[k]:.3f}" for k in KEYS) + " |" for r in rows]
