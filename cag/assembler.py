@@ -184,13 +184,17 @@ class Assembler:
         values = concat_tokens([c.values for c in parts], dtype, room=n_question)
         adapter.rotate(keys[:, :, :total], torch.arange(total), out=keys[:, :, :total])
         recompute_started = time.perf_counter()
-        scales = None
-        if key_scales is not None and any(f != 1.0 for f in key_scales):
-            scales = torch.ones(total + n_question, dtype=torch.float32)  # one factor per position
-            start = n_prefix
-            for chunk, f in zip(chunks, key_scales):
-                scales[start:start + chunk.num_tokens] = f
-                start += chunk.num_tokens
+        scaled = []  # (first, end, factor): the positions of each chunk whose keys `key_scales` scales
+        start = n_prefix
+        for chunk, f in zip(chunks, key_scales if key_scales is not None else [1.0] * len(chunks)):
+            if f != 1.0:
+                scaled.append((start, start + chunk.num_tokens, f))
+            start += chunk.num_tokens
+        question_key_scale = None  # what the question reads before the buffers are scaled, one factor a position
+        if scaled and n_question:
+            question_key_scale = torch.ones(total + n_question, dtype=torch.float32)
+            for first, end, f in scaled:
+                question_key_scale[first:end] = f
         question_logits = None
         if n_recompute:
             with self.model_lock:
@@ -206,17 +210,13 @@ class Assembler:
                                                   n_recompute)
                 question_logits = self._recompute(keys, values, context_ids, chosen,
                                                   question_ids=with_question if n_question else None,
-                                                  question_key_scale=scales)
+                                                  question_key_scale=question_key_scale)
         recompute_s = time.perf_counter() - recompute_started
-        if scales is not None:
-            # Rotation is linear: scaling the rotated keys scales the logits. In place, in inference
-            # mode, since a recompute's keys are inference tensors (the buffer is this call's own).
-            with torch.inference_mode():
-                start = n_prefix
-                for chunk, f in zip(chunks, key_scales):
-                    if f != 1.0:
-                        keys[:, :, start:start + chunk.num_tokens].mul_(f)
-                    start += chunk.num_tokens
+        # Rotation is linear: scaling the rotated keys scales the logits. In place, in inference
+        # mode, since a recompute's keys are inference tensors (the buffer is this call's own).
+        with torch.inference_mode():
+            for first, end, f in scaled:
+                keys[:, :, first:end].mul_(f)
         cache = adapter.fill_cache(keys, values)
         return Placed(cache, context_ids, n_prefix, n_recompute,
                       time.perf_counter() - started - recompute_s, recompute_s, question_logits)
@@ -377,7 +377,7 @@ class Assembler:
                        attention_mask=self._recompute_masks(chosen, size))
         with blocked_recompute(self.target.model, chosen, size, self.recompute_block,  # skips hidden scores
                                question_from=None if question_ids is None else total,
-                               question_key_scale=question_key_scale if question_ids is not None else None):
+                               question_key_scale=question_key_scale):
             if question_ids is None:
                 self.target.forward_for_cache(cache, **forward)  # the K/V only: no last MLP, no head
                 return None

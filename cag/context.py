@@ -434,6 +434,9 @@ class CachedContext(BaseModel):
         `repair` (``{"ratio", "select"}``, optionally ``"translated_key_scale"``) overrides the
         recompute settings and the key scale: the gate's ``+repair`` paths pass what they were
         measured with.
+        `with_question`: read the question in the recompute's forward where that is the same
+        computation (a recompute runs and the question's attention is the model's own, no APE);
+        `Prepared.first_logits` then holds its last token's logits. `stream` and the harness ask for it.
         """
         t0 = time.perf_counter()
         timings = Timings()
@@ -468,7 +471,9 @@ class CachedContext(BaseModel):
             placed = asm.place(chunks, recompute_ratio=ratio, recompute_select=select, question_ids=question_ids,
                                first_k=self.recompute_first_k, positions=positions,
                                key_scales=self.rank_key_scales(used),
-                               with_question=question_ids if with_question else None)
+                               # APE's temperature and scale apply to a question prefilled apart only
+                               with_question=question_ids if with_question and self.ape_settings() == (1.0, 1.0)
+                               else None)
         timings.assemble, timings.recompute = placed.assemble_s, placed.recompute_s
         for note in notes:
             warnings.warn(note, stacklevel=3)
@@ -496,14 +501,13 @@ class CachedContext(BaseModel):
         lm, _, asm = self._ready()
         max_new = max_new_tokens or self.max_new_tokens
         with asm.model_lock:
-            temperature, scale = self.ape_settings()
-            # With a recompute the question is read in its forward (one pass over the weights, not two),
-            # unless the question's attention is APE's, which that forward does not apply.
+            # With a recompute the question is read in its forward (one pass over the weights, not two).
             prepared = self.prepare(question, hits, max_new_tokens=max_new, repair=served_repair(decision),
-                                    with_question=(temperature, scale) == (1.0, 1.0))
+                                    with_question=True)
             answer, t0 = prepared.answer, prepared.started
             self._gate_answer(answer, decision, lm)
             self._last_answer = answer
+            temperature, scale = self.ape_settings()
 
             def ape():
                 return context_temperature(lm.model, *prepared.context_span, temperature=temperature, scale=scale)

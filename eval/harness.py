@@ -208,8 +208,7 @@ class ItemRunner:
             warnings.simplefilter("ignore")
             # As `stream` serves it: with a recompute and the model's own attention, the question is read in
             # the recompute's forward (the same logits up to rounding, one pass over the weights fewer).
-            prepared = ctx.prepare(item.question, hits, max_new_tokens=self.max_new_tokens,
-                                   with_question=ctx.ape_settings() == (1.0, 1.0))
+            prepared = ctx.prepare(item.question, hits, max_new_tokens=self.max_new_tokens, with_question=True)
         t = prepared.answer.timings
         setup = t.load + t.translate + t.assemble + t.choose + t.recompute
         return _Run(prepared.cache, prepared.question_ids, prepared.answer.context_tokens, setup,

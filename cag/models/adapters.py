@@ -241,7 +241,8 @@ def concat_tokens(tensors: Sequence[torch.Tensor], dtype: torch.dtype, room: int
     for t in tensors:
         out[:, :, start : start + t.shape[2]].copy_(t)
         start += t.shape[2]
-    out[:, :, total:].zero_()
+    if room:
+        out[:, :, total:].zero_()
     return out
 
 
