@@ -39,6 +39,52 @@ def capture_attention(model, store: dict):
         yield
 
 
+# The attention implementation `LoadedModel` gives a model loaded with transformers' sdpa:
+# the same function, except where the heads are grouped, a mask is given and the tensors
+# are on CPU (`gqa_sdpa_attention`).
+GQA_SDPA = "cag_sdpa"
+
+
+def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                       scaling: float | None = None, **kwargs):
+    """transformers' sdpa attention, with grouped key/value heads read in place under a mask on CPU.
+
+    transformers copies every key/value head once per query head whenever a mask is given
+    (torch's CUDA kernels would fall back to the math path with grouped heads and a mask),
+    and a question read over a placed context always has one: for Qwen2.5 (7 query heads
+    per key/value head) at 4K that is 15 MB copied per layer, about a sixth of the question's
+    forward. Torch's CPU kernel takes the grouped heads and the mask as they are
+    (``enable_gqa``), with the same result (tests/unit/test_query_path_fast.py). Anything
+    else (one query, no mask, an accelerator, bias, softcap, sinks, a paged cache) is
+    transformers' own code."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (getattr(module, "num_key_value_groups", 1) > 1 and attention_mask is not None and query.shape[2] > 1
+            and query.device.type == "cpu" and query.shape[1] != key.shape[1]
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and kwargs.get("cache") is None and getattr(module, "sinks", None) is None):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def use_gqa_sdpa(model) -> None:
+    """Switch a model loaded with transformers' sdpa to `gqa_sdpa_attention` (others stay as they are).
+
+    Registered under its own name, with sdpa's masks, so the model's code and masks are
+    transformers' own and only the attention call differs."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
+    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+    model.set_attn_implementation(GQA_SDPA)
+
+
 @contextmanager
 def _wrapped_attention(model, wrap, purpose: str):
     """Replace `model`'s registered attention function by ``wrap(original)`` for a while.
@@ -242,7 +288,7 @@ def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64, 
         raise ValueError(f"chosen positions must be sorted, distinct and within [0, {total})")
     if question_key_scale is not None and (question_from is None or question_key_scale.shape != (total,)):
         raise ValueError(f"question_key_scale needs question_from and one factor for each of the {total} positions")
-    own_kernel = getattr(model.config, "_attn_implementation", None) == "sdpa"
+    own_kernel = getattr(model.config, "_attn_implementation", None) in ("sdpa", GQA_SDPA)
     n_context = n_chosen if question_from is None else int((chosen < question_from).sum())
     blocks = [(r0, min(r0 + block, n_context)) for r0 in range(0, n_context, block)]
     if n_context < n_chosen:

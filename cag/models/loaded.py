@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from cag.kv import ForeignModelError, KVChunk, ModelFingerprint, text_sha256
 from cag.models.adapters import FamilyAdapter, adapter_for, concat_tokens
+from cag.models.attention import use_gqa_sdpa
 from cag.models.fingerprint import fingerprint, state_dict_hash
 from cag.models.prompt import head_ids, layout_for
 
@@ -62,6 +63,7 @@ class LoadedModel:
         head of `layout_for(tokenizer)`) or ``"bos"``; `sink_ids` overrides both.
         """
         model.eval()
+        use_gqa_sdpa(model)  # grouped K/V heads read in place under a mask (cag.models.attention)
         adapter = adapter_for(model)
         if sink_ids is None:
             sink_ids = prefix_ids_for(tokenizer, prefill_prefix).tolist()

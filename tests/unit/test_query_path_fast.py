@@ -369,3 +369,50 @@ def test_filled_cache_holds_the_placed_tensors_without_a_copy(tiny):
         assert torch.equal(tiny.model(input_ids=q, past_key_values=cache).logits,
                            tiny.model(input_ids=q, past_key_values=want).logits)
     assert_same_cache(cache, want)
+
+
+# ------------------------------------------------------------------ grouped heads under a mask
+
+
+def test_loaded_models_read_grouped_heads_in_place(tiny):
+    from cag.models.attention import GQA_SDPA
+
+    assert tiny.model.config._attn_implementation == GQA_SDPA
+
+
+@pytest.mark.parametrize("what", ["question over a context", "recompute"])
+def test_grouped_heads_in_place_equal_transformers_sdpa(lm, what, monkeypatch):
+    """The question's forward over a placed context (a mask, several query tokens): `gqa_sdpa_attention`
+    gives transformers' sdpa logits and cache, and really takes its own path (no K/V head copied).
+    The recompute (with the question in its forward) calls torch's kernel itself under either name."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    from cag.models.attention import GQA_SDPA
+
+    asm = Assembler(lm, layout_for(lm.tokenizer))
+    chunks = [lm.prefill(t) for t in TEXTS]
+    q = asm.question_ids(QUESTION)
+    repeats = []
+    real_repeat = sdpa_module.repeat_kv
+    monkeypatch.setattr(sdpa_module, "repeat_kv", lambda h, n: repeats.append(n) or real_repeat(h, n))
+
+    def run(impl):
+        lm.model.set_attn_implementation(impl)
+        try:
+            with torch.inference_mode():
+                if what == "recompute":
+                    placed = asm.place(chunks, recompute_ratio=0.5, recompute_select="deviation",
+                                       with_question=q)
+                    return placed.question_logits[None], placed.cache
+                placed = asm.place(chunks)
+                return lm.model(input_ids=q[None], past_key_values=placed.cache).logits[0], placed.cache
+        finally:
+            lm.model.set_attn_implementation(GQA_SDPA)
+
+    want_logits, want_cache = run("sdpa")
+    copied = len(repeats)
+    got_logits, got_cache = run(GQA_SDPA)
+    if what == "question over a context":  # transformers copied the heads; ours did not
+        assert copied > 0 and len(repeats) == copied
+    assert torch.equal(got_logits, want_logits)
+    assert_same_cache(got_cache, want_cache)
