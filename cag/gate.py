@@ -29,6 +29,8 @@ it costs at query time (`repair_cost`: the share recomputed, which dominates at
 length, then the choice's own cost), so the cheapest setting that passes is served.
 
 The gate takes the fastest path whose retention is at least ``min_retention``
+(on the lookups, and on the answers copied exactly and the free questions about
+calibration essays where the record measured them)
 *and* that finds more answers than no context did on the same items (a path that
 measures no better than no context is never served by default). A path with no
 measurement does not pass: unknown is not good. When nothing cached passes,
@@ -84,6 +86,11 @@ class PathFidelity:
     # path pass that garbles such answers (eval/results/gate-lab300k); None: not measured.
     copy_found_retention: float | None = None
     copy_n: int = 0
+    # Free questions about calibration essays (what the answer is, in the essay's words), measured beside
+    # the lookups when the record has them: found(path) / found(direct) and n. Lookups and codes ask for one
+    # planted fact among same-shaped ones; a path can pass them and lose free questions. None: not measured.
+    essay_found_retention: float | None = None
+    essay_n: int = 0
 
     @classmethod
     def from_record(cls, path: str, record: dict[str, Any] | None, *, recorded_in: str,
@@ -92,13 +99,15 @@ class PathFidelity:
             return cls(path, recorded_in=recorded_in, method=method)
         repair = record.get("repair") if path.endswith("+repair") else None
         copy = record.get("copy") if isinstance(record.get("copy"), dict) else {}
+        essays = record.get("essays") if isinstance(record.get("essays"), dict) else {}
         def num(key, rec=record):
             value = rec.get(key)
             return float(value) if isinstance(value, (int, float)) else None
         return cls(path, num("found_retention"), num("f1_retention"), num("found_rate"),
                    num("direct_found_rate"), num("no_context_found_rate"), int(record.get("n") or 0),
                    str(record.get("items", "")), recorded_in, method, dict(repair) if repair else None,
-                   num("found_retention", copy), int(copy.get("n") or 0))
+                   num("found_retention", copy), int(copy.get("n") or 0),
+                   num("found_retention", essays), int(essays.get("n") or 0))
 
     def repair_matches(self, ratio: float, select: str, translated_key_scale: float = 1.0) -> bool:
         """Whether this +repair record was measured with these settings."""
@@ -141,8 +150,14 @@ class PathFidelity:
             return False, (f"{self.label} path keeps {self.found_retention:.2f} of direct context's found-rate on "
                            f"lookups but {self.copy_found_retention:.2f} on answers copied exactly (codes, invented "
                            f"names; n={self.copy_n}), below the gate's {min_retention:.2f}")
+        if self.essay_found_retention is not None and self.essay_found_retention < min_retention:
+            return False, (f"{self.label} path keeps {self.found_retention:.2f} of direct context's found-rate on "
+                           f"lookups but {self.essay_found_retention:.2f} on free questions about calibration "
+                           f"essays (n={self.essay_n}), below the gate's {min_retention:.2f}")
         copied = "" if self.copy_found_retention is None else \
             f", {self.copy_found_retention:.2f} on answers copied exactly (n={self.copy_n})"
+        if self.essay_found_retention is not None:
+            copied += f", {self.essay_found_retention:.2f} on free essay questions (n={self.essay_n})"
         return True, (f"{self.label} path keeps {self.found_retention:.2f} of direct context's found-rate "
                       f"(n={self.n}{copied}; gate {min_retention:.2f})")
 

@@ -102,6 +102,8 @@ CONTEXT_MODES = ("retrieve", "all")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 ESSAY_QA_PATH = DATA_DIR / "essay_qa.jsonl"
 CALIB_ESSAY_QA_PATH = DATA_DIR / "calib_essay_qa.jsonl"  # fits only: questions on the calibration essays
+# The gate only (never fitted on): questions on the essays the translation lab holds out of its rows
+CALIB_ESSAY_GATE_PATH = DATA_DIR / "calib_essay_gate.jsonl"
 
 
 # ---------------------------------------------------------------------------
@@ -664,6 +666,14 @@ def calibration_essay_qa(path: str | os.PathLike | None = None) -> list[QAItem]:
             raise DatasetFormatError(f"calibration essay question {it.id!r}: no answer occurs in {gold}")
         out.append(QAItem(it.id, it.question, it.answers, docs, "retrieve", dict(it.meta)))
     return out
+
+
+def calibration_essay_gate_qa() -> list[QAItem]:
+    """Free questions for the quality gate (`eval/gate_fidelity.py --essay-n`), never for fitting: 12 on
+    each essay the translation lab holds out of its rows (`eval.lab.data.held_out_essays`), about other
+    facts than `calibration_essay_qa`'s, written without looking at essay-qa (2026-12-06). Each item
+    retrieves from all calibration essays, as essay-qa's do from their pool."""
+    return calibration_essay_qa(CALIB_ESSAY_GATE_PATH)
 
 
 # ---------------------------------------------------------------------------

@@ -22,6 +22,8 @@ the gate serves the cheapest setting that passes.
 Beside the lookups it measures the same paths on calibration needles whose answers must be
 copied exactly (``--copy-n``, codes and invented names in the essays the translation lab holds
 out), recorded under ``copy``: `cag.gate` refuses a path that passes on lookups and garbles those.
+And on free questions about those essays (``--essay-n``, `eval.datasets.calibration_essay_gate_qa`,
+never fitted on), recorded under ``essays``: a path must keep them too.
 
 Never point this at an evaluation set: the gate would then be tuned on it.
 """
@@ -41,6 +43,7 @@ from cag.gate import native_lookup_path, repair_records, with_repair_record  # n
 from cag.mapping import MapperNotFoundError, available_mappers, resolve_mapper  # noqa: E402
 from cag.models import registry  # noqa: E402
 from eval.calibration_lookup import DATASET, calibration_lookup  # noqa: E402
+from eval.datasets import calibration_essay_gate_qa  # noqa: E402
 from eval.run import RESULTS, run_eval  # noqa: E402
 from mappers.base import Mapper, write_card  # noqa: E402
 
@@ -78,13 +81,14 @@ def result_rows(out: Path, items: list) -> list[dict]:
             for row in [json.loads(line)] if row["item"] in wanted]
 
 
-def with_copy(record: dict, copy_rows: list[dict], condition: str, items: str) -> dict:
-    """The record with its exact-copy figures under "copy" (what `cag.gate` also checks), when measured."""
-    if not any(condition in r["results"] for r in copy_rows):
+def with_part(record: dict, rows: list[dict], condition: str, items: str, key: str = "copy") -> dict:
+    """The record with another item set's figures under `key` ("copy": answers copied exactly; "essays":
+    free questions about calibration essays), when measured: `cag.gate` checks those too."""
+    if not any(condition in r["results"] for r in rows):
         return record
-    copy = path_record(copy_rows, condition, items)
-    return {**record, "copy": {k: copy[k] for k in ("n", "items", "found_rate", "direct_found_rate",
-                                                    "no_context_found_rate", "found_retention", "f1_retention")}}
+    part = path_record(rows, condition, items)
+    return {**record, key: {k: part[k] for k in ("n", "items", "found_rate", "direct_found_rate",
+                                                 "no_context_found_rate", "found_retention", "f1_retention")}}
 
 
 def main(argv=None) -> int:
@@ -100,6 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-n", type=int, default=24, help="calibration needles whose answers are copied exactly "
                     "(codes, call signs, invented names), measured beside the lookups; a path must pass on both")
     ap.add_argument("--copy-seed", type=int, default=COPY_SEED)
+    ap.add_argument("--essay-n", type=int, default=36, help="free questions about the calibration essays the "
+                    "translation lab holds out (eval/data/calib_essay_gate.jsonl, never fitted on), measured "
+                    "beside the lookups; a path must pass on them too (0: not measured)")
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "gate")
     ap.add_argument("--no-write", action="store_true", help="measure only; leave cards and files alone")
     ap.add_argument("--repair", type=float, default=0.0, help="measure the +repair paths: recompute this share "
@@ -112,6 +119,8 @@ def main(argv=None) -> int:
     items_name = f"{DATASET} seed {args.seed}, first {len(items)}"
     copies = copy_items(args.copy_n, args.copy_seed)
     copy_name = f"calib-code-needle seed {args.copy_seed}, {len(copies)} in the lab's held-out essays"
+    essays = calibration_essay_gate_qa()[: args.essay_n] if args.essay_n > 0 else []
+    essay_name = f"calib-essay-gate, {len(essays)} free questions on the lab's held-out essays"
     native_path = native_lookup_path()
     native = json.loads(native_path.read_text()) if native_path.is_file() else {"models": {}}
     cards = {str(folder): (folder, card) for folder, card in available_mappers()}
@@ -140,10 +149,19 @@ def main(argv=None) -> int:
                      recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
                      translated_key_scale=scale)
             copy_rows = result_rows(copy_out, copies)
+        essay_rows = []
+        if essays:  # the same paths on free questions, retrieving from every calibration essay
+            essay_out = out.parent / f"{out.name}-essays"
+            run_eval(essays, essay_out, source=source, targets=targets, methods=args.methods,
+                     max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
+                     recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
+                     translated_key_scale=scale)
+            essay_rows = result_rows(essay_out, essays)
         src_fp = registry.load(source, "auto").fingerprint
         for target in targets:
             mine = [r for r in rows if r["target"] == target]
             mine_copy = [r for r in copy_rows if r["target"] == target]
+            mine_essays = [r for r in essay_rows if r["target"] == target]
             lm = registry.load(target, "auto")
             section = "repair" if repair else "models"
             native.setdefault(section, {})
@@ -155,7 +173,8 @@ def main(argv=None) -> int:
                 print(f"gate_fidelity: no native+repair record for {target}: {args.repair_select} was guided by "
                       f"{source} here, by {target} in its own store", file=sys.stderr)
             elif target == source or repair or lm.fingerprint.id not in native[section]:
-                rec = with_copy(path_record(mine, "native_cache", items_name), mine_copy, "native_cache", copy_name)
+                rec = with_part(with_part(path_record(mine, "native_cache", items_name), mine_copy, "native_cache",
+                                          copy_name), mine_essays, "native_cache", essay_name, "essays")
                 if repair:  # one record per setting measured: the gate serves the cheapest that passes
                     rec["repair"] = repair
                     native[section][lm.fingerprint.id] = with_repair_record(
@@ -175,7 +194,8 @@ def main(argv=None) -> int:
                 if not any(cond in r["results"] for r in mine):
                     continue  # a resumed folder from a run that measured other methods
                 rec = {"method": mapper.method,
-                       **with_copy(path_record(mine, cond, items_name), mine_copy, cond, copy_name)}
+                       **with_part(with_part(path_record(mine, cond, items_name), mine_copy, cond, copy_name),
+                                   mine_essays, cond, essay_name, "essays")}
                 if repair:
                     rec["repair"] = {**repair, **({"translated_key_scale": scale} if scale != 1.0 else {})}
                 report.append({"source": source, "target": target,
@@ -205,18 +225,21 @@ def main(argv=None) -> int:
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# Lookup fidelity of each serving path (what the quality gate reads)", "",
              f"`{' '.join(['python', *sys.argv])}`, {time.strftime('%Y-%m-%d')}, calibration items only "
-             f"({items_name}; copied exactly: {copy_name if copies else 'not measured'}); found-rate = gold "
+             f"({items_name}; copied exactly: {copy_name if copies else 'not measured'}; free questions: "
+             f"{essay_name if essays else 'not measured'}); found-rate = gold "
              "answer appears in the generated answer.", "",
              "| source | target | path | n | found | direct found | no-context found | found retention | F1 retention "
-             "| copied exactly: n, found, direct found, found retention |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| copied exactly: n, found, direct found, found retention "
+             "| free essay questions: n, found, direct found, found retention |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report:
         path = r["path"] + (f" ({r['method']})" if r.get("method") else "")
         lines.append(f"| {r['source']} | {r['target']} | {path} | {r['n']} | {r['found_rate']:.2f} | "
                      f"{r['direct_found_rate']:.2f} | {r['no_context_found_rate']:.2f} | "
                      f"{r['found_retention']:.2f} | {r['f1_retention']:.2f} | "
-                     + (f"{c['n']}, {c['found_rate']:.2f}, {c['direct_found_rate']:.2f}, {c['found_retention']:.2f} |"
-                        if (c := r.get("copy")) else "– |"))
+                     + " | ".join(f"{c['n']}, {c['found_rate']:.2f}, {c['direct_found_rate']:.2f}, "
+                                  f"{c['found_retention']:.2f}" if (c := r.get(part)) else "–"
+                                  for part in ("copy", "essays")) + " |")
     (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -395,6 +395,21 @@ def test_calibration_essay_questions_ask_about_calibration_essays_only():
         assert not any(a.lower() in it.question.lower() for a in it.answers), it.id
 
 
+def test_the_gates_essay_questions_are_held_out_of_every_fit():
+    from eval.lab.data import held_out_essays
+
+    items = D.calibration_essay_gate_qa()
+    assert len(items) == 36 and len({it.id for it in items}) == 36
+    assert {it.meta["gold_doc"] for it in items} == set(held_out_essays())  # essays no lab row was cut from
+    assert {d.id for d in items[0].documents} == set(D.calibration_essays()) and items[0].context == "retrieve"
+    fitted = {it.question for it in D.calibration_essay_qa()}
+    evaluation = {it.question for it in D.get_dataset("essay-qa")}
+    assert not ({it.question for it in items} & (fitted | evaluation))
+    for it in items:
+        assert D.text_holds_answer(D.essay_text(it.meta["gold_doc"]), it.answers), it.id
+        assert not any(a.lower() in it.question.lower() for a in it.answers), it.id
+
+
 def test_a_calibration_essay_question_about_another_essay_is_refused(tmp_path):
     evaluation_essay = D.get_dataset("essay-qa")[0].meta["gold_doc"]
     path = tmp_path / "q.jsonl"

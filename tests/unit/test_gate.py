@@ -144,3 +144,22 @@ def test_a_path_that_garbles_exact_answers_is_refused_though_its_lookups_pass():
     # a record without the copy measurement is judged on its lookups, as before
     assert choose_path([PathFidelity.from_record("translated", {k: v for k, v in record.items() if k != "copy"},
                                                  recorded_in="card")], 0.6, "direct").path == "translated"
+
+
+def test_a_path_that_loses_free_essay_questions_is_refused_and_the_next_one_served():
+    base = {"found_rate": 0.83, "direct_found_rate": 0.83, "no_context_found_rate": 0.0, "n": 30, "items": "calib",
+            "copy": {"found_retention": 0.95, "n": 24}}
+    cheap = {**base, "found_retention": 1.0, "essays": {"found_retention": 0.5, "n": 36},
+             "repair": {"ratio": 0.1, "select": "source_retriever"}}
+    dear = {**base, "found_retention": 1.0, "essays": {"found_retention": 0.8, "n": 36},
+            "repair": {"ratio": 0.13, "select": "source_retriever"}}
+    cands = gate._repair_candidates("translated+repair", [dear, cheap], "card")
+    assert [c.repair["ratio"] for c in cands] == [0.1, 0.13] and cands[0].essay_n == 36
+    decision = choose_path(cands, 0.6, "direct")
+    assert decision.path == "translated+repair" and decision.fidelity.repair["ratio"] == 0.13
+    assert "0.50 on free questions about calibration essays (n=36)" in decision.rejected[0][1]
+    assert "0.80 on free essay questions (n=36)" in decision.reason
+    # without the essay measurement the cheaper record is judged as before, and served
+    plain = {k: v for k, v in cheap.items() if k != "essays"}
+    assert choose_path(gate._repair_candidates("translated+repair", [dear, plain], "card"), 0.6,
+                       "direct").fidelity.repair["ratio"] == 0.1
