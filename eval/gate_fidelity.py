@@ -141,22 +141,20 @@ def main(argv=None) -> int:
                  recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
                  translated_key_scale=scale)
         rows = result_rows(out, items)
-        copy_rows = []
-        if copies:  # the same paths on answers copied exactly, in their own store and folder
-            copy_out = out.parent / f"{out.name}-copy"
-            run_eval(copies, copy_out, source=source, targets=targets, methods=args.methods,
+
+        def side_rows(part: list, suffix: str) -> list[dict]:
+            """The same paths on another item set, in its own store and folder (``<out>-<suffix>``)."""
+            if not part:
+                return []
+            side_out = out.parent / f"{out.name}-{suffix}"
+            run_eval(part, side_out, source=source, targets=targets, methods=args.methods,
                      max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
                      recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
                      translated_key_scale=scale)
-            copy_rows = result_rows(copy_out, copies)
-        essay_rows = []
-        if essays:  # the same paths on free questions, retrieving from every calibration essay
-            essay_out = out.parent / f"{out.name}-essays"
-            run_eval(essays, essay_out, source=source, targets=targets, methods=args.methods,
-                     max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
-                     recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
-                     translated_key_scale=scale)
-            essay_rows = result_rows(essay_out, essays)
+            return result_rows(side_out, part)
+
+        copy_rows = side_rows(copies, "copy")  # answers copied exactly
+        essay_rows = side_rows(essays, "essays")  # free questions, retrieving from every calibration essay
         src_fp = registry.load(source, "auto").fingerprint
         for target in targets:
             mine = [r for r in rows if r["target"] == target]
