@@ -154,12 +154,12 @@ class PathFidelity:
             return False, (f"{self.label} path keeps {self.found_retention:.2f} of direct context's found-rate on "
                            f"lookups but {self.essay_found_retention:.2f} on free questions about calibration "
                            f"essays (n={self.essay_n}), below the gate's {min_retention:.2f}")
-        copied = "" if self.copy_found_retention is None else \
+        also = "" if self.copy_found_retention is None else \
             f", {self.copy_found_retention:.2f} on answers copied exactly (n={self.copy_n})"
         if self.essay_found_retention is not None:
-            copied += f", {self.essay_found_retention:.2f} on free essay questions (n={self.essay_n})"
+            also += f", {self.essay_found_retention:.2f} on free essay questions (n={self.essay_n})"
         return True, (f"{self.label} path keeps {self.found_retention:.2f} of direct context's found-rate "
-                      f"(n={self.n}{copied}; gate {min_retention:.2f})")
+                      f"(n={self.n}{also}; gate {min_retention:.2f})")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -59,8 +59,8 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
     transformers' own code."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (getattr(module, "num_key_value_groups", 1) > 1 and attention_mask is not None and query.shape[2] > 1
-            and query.device.type == "cpu" and query.shape[1] != key.shape[1]
+    if (query.shape[1] != key.shape[1] and attention_mask is not None and query.shape[2] > 1
+            and query.device.type == "cpu"
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
             and kwargs.get("cache") is None and getattr(module, "sinks", None) is None):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
@@ -274,8 +274,9 @@ def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64, 
     once per block and layer kind and shared by every layer.
 
     Only a forward whose shapes are the recompute's is blocked; any other passes through.
-    Under sdpa each block calls torch's kernel itself with ``enable_gqa``: transformers
-    copies every key/value head once per query head whenever a mask is given (Qwen2.5: 7×).
+    Under sdpa each block goes through `gqa_sdpa_attention` (grouped key/value heads read in
+    place on CPU), also for a model loaded outside `LoadedModel`, whose sdpa would copy every
+    key/value head once per query head under the block's mask (Qwen2.5: 7×).
 
     `question_from`: the chosen positions from this one on are the question's, run in the
     same forward (`Assembler.place(with_question=...)`): they go in a block of their own, and
@@ -288,7 +289,7 @@ def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64, 
         raise ValueError(f"chosen positions must be sorted, distinct and within [0, {total})")
     if question_key_scale is not None and (question_from is None or question_key_scale.shape != (total,)):
         raise ValueError(f"question_key_scale needs question_from and one factor for each of the {total} positions")
-    own_kernel = getattr(model.config, "_attn_implementation", None) in ("sdpa", GQA_SDPA)
+    grouped_in_place = getattr(model.config, "_attn_implementation", None) in ("sdpa", GQA_SDPA)
     n_context = n_chosen if question_from is None else int((chosen < question_from).sum())
     blocks = [(r0, min(r0 + block, n_context)) for r0 in range(0, n_context, block)]
     if n_context < n_chosen:
@@ -318,7 +319,6 @@ def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64, 
             if ((len(blocks) < 2 and question_key_scale is None) or query.shape[2] != n_chosen
                     or key.shape[2] != total or attention_mask is None or attention_mask.dim() != 4):
                 return original(module, query, key, value, attention_mask, **kwargs)
-            plain = own_kernel and kwargs.get("softcap") is None and getattr(module, "sinks", None) is None
             outputs = []
             for (r0, r1), (lo, hi, mask) in zip(blocks, spans_for(kwargs.get("sliding_window"),
                                                                  query.dtype, query.device)):
@@ -327,12 +327,7 @@ def blocked_recompute(model, chosen: torch.Tensor, total: int, block: int = 64, 
                     # A scaled copy, the question's alone, rounded as the buffer scaled in place would be
                     # (a bf16 tensor times a float scalar is computed in fp32).
                     k = (k.float() * question_key_scale[lo:hi].to(k.device, torch.float32)[:, None]).to(k.dtype)
-                if plain:
-                    out = torch.nn.functional.scaled_dot_product_attention(
-                        q, k, v, attn_mask=mask, scale=kwargs.get("scaling"),
-                        enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
-                else:
-                    out, _ = original(module, q, k, v, mask, **kwargs)
+                out, _ = (gqa_sdpa_attention if grouped_in_place else original)(module, q, k, v, mask, **kwargs)
                 outputs.append(out)
             return torch.cat(outputs, dim=1), None  # attention outputs are [batch, queries, heads, dim]
         return wrapper
