@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         run_eval(items, out, store=store, source=source, targets=targets, methods=args.methods,
                  max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
                  recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
-                 translated_key_scale=scale)
+                 translated_key_scale=scale, plots=False)  # gate.md is the record: per-run plots went unread
         rows = result_rows(out, items)
 
         def side_rows(part: list, suffix: str) -> list[dict]:
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
             run_eval(part, side_out, source=source, targets=targets, methods=args.methods,
                      max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
                      recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
-                     translated_key_scale=scale)
+                     translated_key_scale=scale, plots=False)
             return result_rows(side_out, part)
 
         copy_rows = side_rows(copies, "copy")  # answers copied exactly

@@ -124,8 +124,11 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
              top_k: int = 4, max_new_tokens: int = 24, chunk_tokens: int = 256, embedder=None,
              recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "",
              progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str | None = None,
-             translated_key_scale: float = 1.0, rank_key_decay: float | None = None) -> dict[str, Any]:
+             translated_key_scale: float = 1.0, rank_key_decay: float | None = None,
+             plots: bool = True) -> dict[str, Any]:
     """Every condition on every (question, target) not yet in ``out_dir/results.jsonl``; the summary.
+
+    `plots`: also draw retention.png and ttft.png (a caller with a table of its own, the gate, leaves them out).
 
     `dtype`: the storage format of the store built for the questions (its chunks, and the
     target's own chunks written through it; None: `cag build`'s default); a given `store`
@@ -218,7 +221,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "dtype": dtype if built else store_dtype(store)}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     (out_dir / TABLE).write_text(render_markdown(summary))
-    plot(summary, out_dir)
+    if plots:
+        plot(summary, out_dir)
     return summary
 
 

@@ -81,11 +81,14 @@ def test_run_eval_writes_report_and_resumes(setup, tmp_path):
     assert any("ridge" in n for n in summary["notes"])  # no ridge mapper for a model and itself: said
     assert (out / "results.md").read_text().count("| toy |") == len(summary["table"])
     assert (out / "retention.png").exists() and (out / "ttft.png").exists()
-    # resume: a rerun recomputes nothing
+    # resume: a rerun recomputes nothing; without plots (the gate's runs) it draws none
+    for png in ("retention.png", "ttft.png"):
+        (out / png).unlink()
     again = run_eval(items, out, store=out / "store", source=model, targets=[model], methods=["identity"],
-                     top_k=2, max_new_tokens=4, embedder=HashEmbedder())
+                     top_k=2, max_new_tokens=4, embedder=HashEmbedder(), plots=False)
     assert len((out / "results.jsonl").read_text().splitlines()) == len(items)
     assert again["rows"] == len(items)
+    assert (out / "results.md").exists() and not list(out.glob("*.png"))
 
 
 def test_an_artifact_folder_is_measured_under_its_own_label(tmp_path):
