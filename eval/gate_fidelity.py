@@ -136,25 +136,21 @@ def main(argv=None) -> int:
             store = out / "store" if (out / "store").is_dir() else None
             out = args.out / f"source-{source}-{tag}"
         print(f"gate_fidelity: {source} → {', '.join(targets)} ({len(items)} items) in {out}", file=sys.stderr)
-        run_eval(items, out, store=store, source=source, targets=targets, methods=args.methods,
-                 max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
-                 recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
-                 translated_key_scale=scale, plots=False)  # gate.md is the record: per-run plots went unread
-        rows = result_rows(out, items)
 
-        def side_rows(part: list, suffix: str) -> list[dict]:
-            """The same paths on another item set, in its own store and folder (``<out>-<suffix>``)."""
+        def measure(part: list, folder: Path, part_store: Path | None = None) -> list[dict]:
+            """Every path on `part`, in `folder` (its own store unless `part_store`); gate.md is the record,
+            so no per-run plots."""
             if not part:
                 return []
-            side_out = out.parent / f"{out.name}-{suffix}"
-            run_eval(part, side_out, source=source, targets=targets, methods=args.methods,
+            run_eval(part, folder, store=part_store, source=source, targets=targets, methods=args.methods,
                      max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
                      recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
                      translated_key_scale=scale, plots=False)
-            return result_rows(side_out, part)
+            return result_rows(folder, part)
 
-        copy_rows = side_rows(copies, "copy")  # answers copied exactly
-        essay_rows = side_rows(essays, "essays")  # free questions, retrieving from every calibration essay
+        rows = measure(items, out, store)
+        copy_rows = measure(copies, out.parent / f"{out.name}-copy")  # answers copied exactly
+        essay_rows = measure(essays, out.parent / f"{out.name}-essays")  # free questions, from every essay
         src_fp = registry.load(source, "auto").fingerprint
         for target in targets:
             mine = [r for r in rows if r["target"] == target]
