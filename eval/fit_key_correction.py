@@ -87,15 +87,16 @@ def training_lookups(n: int) -> list:
     return items
 
 
-def essay_questions(n: int) -> list:
+def essay_questions(n: int, more: bool = False) -> list:
     """The first `n` free questions about the calibration essays (-1: all of them), each retrieving its
     top chunks from all calibration essays: answers in running prose, which lookups and needles never
-    ask for (essay-qa is where the served path lost answers, eval/results/repair_sentence_crux_fused_15_kc/)."""
-    from eval.datasets import calibration_essay_qa
+    ask for (essay-qa is where the served path lost answers, eval/results/repair_sentence_crux_fused_15_kc/).
+    `more`: from the second file of them (84 questions on the lab's training essays, other facts)."""
+    from eval.datasets import calibration_essay_qa, calibration_essay_qa_more
 
     if n == 0:
         return []
-    items = calibration_essay_qa()
+    items = calibration_essay_qa_more() if more else calibration_essay_qa()
     return items if n < 0 else items[:n]
 
 
@@ -363,8 +364,8 @@ def export(source: str, target: str, method: str, out: Path, tag: str = "") -> i
     repair = bool(meta.get("repair"))
     fold_into(mapper, weights, repair=repair)
     recorded = ("command", "date", "host", "mapper_artifact", "rank", "token_rank", "lengths", "n_per_length",
-                "material", "seed_base", "lookups", "lookup_seed_base", "teach_stop", "essay_questions", "repair",
-                "history")
+                "material", "seed_base", "lookups", "lookup_seed_base", "teach_stop", "essay_questions",
+                "more_essay_questions", "repair", "history")
     mapper.fitted_on["repair_key_correction" if repair else "key_correction"] = {k: meta[k] for k in recorded
                                                                                  if k in meta}
     # Lookup records of the path it changes were measured without it; they are measured again, not carried over.
@@ -426,6 +427,9 @@ def main(argv=None) -> int:
     ap.add_argument("--essay-questions", type=int, default=0, metavar="N", help="also the first N free questions "
                     "about the 17 calibration essays (eval/data/calib_essay_qa.jsonl, 4 per essay; -1: all 68), each "
                     "placed with its top chunks retrieved from all of them, as essay-qa's are from its pool")
+    ap.add_argument("--more-essay-questions", type=int, default=0, metavar="N", help="also the first N of 84 "
+                    "further free questions on the lab's 14 training essays (eval/data/calib_essay_qa_more.jsonl, "
+                    "6 per essay, other facts; -1: all), placed the same way")
     ap.add_argument("--repair", type=float, default=0.0, metavar="RATIO", help="fit on the served +repair path: "
                     "each item placed with this share of its context recomputed by the target (the crux, chosen by "
                     "--repair-select with the starting correction, held fixed while fitting) and the translated keys "
@@ -447,8 +451,9 @@ def main(argv=None) -> int:
              for it in training_needles(length, args.n, lm.tokenizer, m)] if args.n else []
     items += training_lookups(args.lookups)
     items += essay_questions(args.essay_questions)
+    items += essay_questions(args.more_essay_questions, more=True)
     if not items:
-        raise SystemExit("nothing to fit on: --n 0, no --lookups, no --essay-questions")
+        raise SystemExit("nothing to fit on: --n 0, no --lookups, no --essay-questions or --more-essay-questions")
     ctx = measurement_context(items, args.out, args.source, args.target, args.method)
     _, mapper, asm = ctx._ready()
     repair = {"ratio": args.repair, "select": args.repair_select,
@@ -492,7 +497,7 @@ def main(argv=None) -> int:
             "token_rank": args.token_rank, "started_from_artifact_correction": start is not None,
             "lengths": args.lengths, "n_per_length": args.n, "material": args.material,
             "lookups": args.lookups, "lookup_seed_base": LOOKUP_SEED_BASE, "teach_stop": args.teach_stop,
-            "essay_questions": args.essay_questions,
+            "essay_questions": args.essay_questions, "more_essay_questions": args.more_essay_questions,
             "repair": repair,
             "train_items": len(train), "held_items": len(held),
             "seed_base": SEED_BASE, "lr": args.lr, "token_lr": args.token_lr, "l2": args.l2, "history": history,

@@ -395,6 +395,22 @@ def test_calibration_essay_questions_ask_about_calibration_essays_only():
         assert not any(a.lower() in it.question.lower() for a in it.answers), it.id
 
 
+def test_more_calibration_essay_questions_ask_other_facts_of_the_labs_training_essays():
+    from eval.lab.data import training_essays
+
+    items = D.calibration_essay_qa_more()
+    assert len(items) == 84 and len({it.id for it in items}) == 84
+    assert {it.meta["gold_doc"] for it in items} == set(training_essays())   # never the gate's held-out essays
+    first = D.calibration_essay_qa()
+    assert not {it.id for it in items} & {it.id for it in first}
+    assert not {it.question for it in items} & {it.question for it in first}
+    evaluation = {it.question for it in D.get_dataset("essay-qa")}
+    assert not evaluation & {it.question for it in items}
+    for it in items:
+        assert D.text_holds_answer(D.essay_text(it.meta["gold_doc"]), it.answers), it.id
+        assert not any(a.lower() in it.question.lower() for a in it.answers), it.id
+
+
 def test_the_gates_essay_questions_are_held_out_of_every_fit():
     from eval.lab.data import held_out_essays
 
@@ -402,7 +418,7 @@ def test_the_gates_essay_questions_are_held_out_of_every_fit():
     assert len(items) == 36 and len({it.id for it in items}) == 36
     assert {it.meta["gold_doc"] for it in items} == set(held_out_essays())  # essays no lab row was cut from
     assert {d.id for d in items[0].documents} == set(D.calibration_essays()) and items[0].context == "retrieve"
-    fitted = {it.question for it in D.calibration_essay_qa()}
+    fitted = {it.question for it in D.calibration_essay_qa() + D.calibration_essay_qa_more()}
     evaluation = {it.question for it in D.get_dataset("essay-qa")}
     assert not ({it.question for it in items} & (fitted | evaluation))
     for it in items:
