@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from cag.gate import DEFAULT_MIN_RETENTION, GateDecision, served_repair
+from cag.gate import DEFAULT_MIN_RETENTION, GateDecision, served_copy_prior, served_repair
 from cag.kv import ChunkError, KVChunk
 from cag.models import registry
 
@@ -97,6 +97,7 @@ class Prepared:
     # `prepare(with_question=True)` with a recompute: the question was read in the recompute's forward, the
     # cache holds it, and these are its last token's logits (generation starts from them). None: prefill it.
     first_logits: Any = None
+    copy_prior: Any = None  # cag.copy_prior.CopyPrior over the placed chunks' text, when the context has one
 
 
 @dataclass
@@ -208,6 +209,12 @@ class CachedContext(BaseModel):
                                          "the best chunk is read first. None: the path's calibrated default "
                                          "(cag.ape: the target's on the native path, the mapper card's on a "
                                          "translated one; 1 where none was calibrated).")
+    copy_prior: float | None = Field(None, ge=0.0, le=1.0, description="Decoding on a cached path mixes "
+                                     "the model's next token with what follows the answer's longest suffix in "
+                                     "the placed chunks' text, with this weight (cag.copy_prior): a translated "
+                                     "cache finds a fact and misspells it. 0 = the model alone. None: the weight "
+                                     "the served path was measured with (its gate record; 0 where none). "
+                                     "Direct context never uses it.")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -425,7 +432,7 @@ class CachedContext(BaseModel):
 
     def prepare(self, question: str, hits: list[Any] | None = None, *,
                 max_new_tokens: int | None = None, repair: dict | None = None,
-                with_question: bool = False) -> "Prepared":
+                with_question: bool = False, copy_prior: float | None = None) -> "Prepared":
         """Everything before the question is read: retrieve, load, translate, place.
 
         Returns the placed cache and the question's ids; `stream` prefills the
@@ -437,6 +444,7 @@ class CachedContext(BaseModel):
         `with_question`: read the question in the recompute's forward where that is the same
         computation (a recompute runs and the question's attention is the model's own, no APE);
         `Prepared.first_logits` then holds its last token's logits. `stream` and the harness ask for it.
+        `copy_prior`: the copy prior's weight (None: the context's `copy_prior`, 0 if that is None too).
         """
         t0 = time.perf_counter()
         timings = Timings()
@@ -481,8 +489,16 @@ class CachedContext(BaseModel):
         answer = Answer("", used, timings, context_tokens=placed.context_ids.numel() - placed.prefix_tokens,
                         recomputed_tokens=placed.recomputed_tokens, warnings=notes, mapper=mapper.method,
                         path=path + ("+repair" if placed.recomputed_tokens else ""))
+        weight = copy_prior if copy_prior is not None else (self.copy_prior or 0.0)
+        copy_prior = None
+        if weight > 0:
+            from cag.copy_prior import TextCopyPrior
+            from cag.generate import stop_token_ids
+
+            copy_prior = TextCopyPrior([h.text for h in used], lm.tokenizer, weight,
+                                       stop_ids=sorted(stop_token_ids(lm.tokenizer)))
         return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()),
-                        placed.question_logits)
+                        placed.question_logits, copy_prior)
 
     def stream(self, question: str, hits: list[Any] | None = None, *,
                max_new_tokens: int | None = None) -> Generator[str, None, Answer]:
@@ -503,7 +519,7 @@ class CachedContext(BaseModel):
         with asm.model_lock:
             # With a recompute the question is read in its forward (one pass over the weights, not two).
             prepared = self.prepare(question, hits, max_new_tokens=max_new, repair=served_repair(decision),
-                                    with_question=True)
+                                    with_question=True, copy_prior=self._copy_prior(decision))
             answer, t0 = prepared.answer, prepared.started
             self._gate_answer(answer, decision, lm)
             self._last_answer = answer
@@ -513,14 +529,22 @@ class CachedContext(BaseModel):
                 return context_temperature(lm.model, *prepared.context_span, temperature=temperature, scale=scale)
             steps = _within(ape, stream_tokens(lm.model, lm.tokenizer, prepared.cache, prepared.question_ids,
                                                max_new_tokens=max_new, stop_ids=stop_token_ids(lm.tokenizer),
-                                               first_logits=prepared.first_logits))
+                                               first_logits=prepared.first_logits,
+                                               copy_prior=prepared.copy_prior))
             yield from _timed(steps, answer, t0)
         return answer  # the generator's value: this stream's own Answer, whatever other threads did
+
+    def _copy_prior(self, decision: GateDecision) -> float:
+        """The copy prior's weight to decode with: the caller's, else the one the served path was measured with."""
+        return self.copy_prior if self.copy_prior is not None else served_copy_prior(decision)
 
     def _gate_answer(self, answer: Answer, decision: GateDecision, lm) -> None:
         """Label a prepared answer with the gate's path (prepare it with `served_repair(decision)`)."""
         answer.path, answer.gate = decision.path, decision.to_dict()
         notes = self._store_notes(lm)
+        if decision.path != "direct" and self._copy_prior(decision) != decision.fidelity.copy_prior:
+            notes.append(f"copy prior {self._copy_prior(decision):g}: the gate measured the {decision.path} path "
+                         f"with {decision.fidelity.copy_prior:g}, so its record does not speak for this setting")
         if self.min_retention <= 0.0 and decision.path != "direct":
             fid = decision.fidelity
             notes.append(f"quality gate off: serving the {decision.path} path, which measured "

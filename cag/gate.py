@@ -91,6 +91,9 @@ class PathFidelity:
     # planted fact among same-shaped ones; a path can pass them and lose free questions. None: not measured.
     essay_found_retention: float | None = None
     essay_n: int = 0
+    # The copy prior's weight the path decoded with when measured (`cag.copy_prior`; 0: the model alone).
+    # Whoever serves the record serves it with that weight.
+    copy_prior: float = 0.0
 
     @classmethod
     def from_record(cls, path: str, record: dict[str, Any] | None, *, recorded_in: str,
@@ -107,7 +110,8 @@ class PathFidelity:
                    num("direct_found_rate"), num("no_context_found_rate"), int(record.get("n") or 0),
                    str(record.get("items", "")), recorded_in, method, dict(repair) if repair else None,
                    num("found_retention", copy), int(copy.get("n") or 0),
-                   num("found_retention", essays), int(essays.get("n") or 0))
+                   num("found_retention", essays), int(essays.get("n") or 0),
+                   copy_prior=float(record.get("copy_prior") or 0.0))
 
     def repair_matches(self, ratio: float, select: str, translated_key_scale: float = 1.0) -> bool:
         """Whether this +repair record was measured with these settings."""
@@ -116,12 +120,13 @@ class PathFidelity:
     @property
     def label(self) -> str:
         """The path, and for a +repair record the setting it speaks for."""
+        prior = f"copy prior {self.copy_prior:g}" if self.copy_prior else ""
         if not self.repair:
-            return self.path
+            return f"{self.path} ({prior})" if prior else self.path
         rec = self.repair
         scale = float(rec.get("translated_key_scale", 1.0))
         return (f"{self.path} ({rec.get('select')} {float(rec.get('ratio', 0)):.0%}"
-                + (f", translated keys ×{scale:g}" if scale != 1.0 else "") + ")")
+                + (f", translated keys ×{scale:g}" if scale != 1.0 else "") + (f", {prior}" if prior else "") + ")")
 
     @property
     def measured(self) -> bool:
@@ -207,6 +212,11 @@ def served_repair(decision: GateDecision) -> dict | None:
     or None: whoever serves the gate's choice must serve it as it was measured."""
     repair = decision.fidelity.repair if decision.path.endswith("+repair") else None
     return dict(repair) if repair else None
+
+
+def served_copy_prior(decision: GateDecision) -> float:
+    """The copy prior's weight the chosen path was measured with (0 for direct context and the model alone)."""
+    return 0.0 if decision.path == "direct" else decision.fidelity.copy_prior
 
 
 # ------------------------------------------------------------------- records

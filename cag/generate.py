@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,13 +86,15 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def stream_tokens(model, tokenizer, cache: DynamicCache, question_ids: torch.Tensor, *,
-                  max_new_tokens: int, stop_ids: set[int], first_logits: torch.Tensor | None = None) -> Iterator[Step]:
+                  max_new_tokens: int, stop_ids: set[int], first_logits: torch.Tensor | None = None,
+                  copy_prior: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None) -> Iterator[Step]:
     """Prefill `question_ids` against `cache`, then decode greedily; yields each token.
 
     The cache is extended in place. Text is decoded incrementally over the whole
     generation so that multi-byte characters split across tokens come out whole.
     `first_logits`: the question is in `cache` already (read in a recompute's forward,
     `Assembler.place(with_question=...)`) and these are its last token's logits.
+    `copy_prior`: maps (logits, tokens so far) to the scores a token is chosen by (`cag.copy_prior`).
     """
     if question_ids.numel() == 0:
         raise ValueError("nothing to prefill: the question has no tokens")
@@ -104,6 +106,8 @@ def stream_tokens(model, tokenizer, cache: DynamicCache, question_ids: torch.Ten
     generated: list[int] = []
     shown = ""
     for _ in range(max_new_tokens):
+        if copy_prior is not None:
+            logits = copy_prior(logits, generated)
         token = int(torch.argmax(logits))
         if token in stop_ids:
             break
@@ -122,12 +126,13 @@ def stream_tokens(model, tokenizer, cache: DynamicCache, question_ids: torch.Ten
 
 
 def generate(model, tokenizer, cache: DynamicCache, question_ids: torch.Tensor, *,
-             max_new_tokens: int, stop_ids: set[int], first_logits: torch.Tensor | None = None) -> Generation:
+             max_new_tokens: int, stop_ids: set[int], first_logits: torch.Tensor | None = None,
+             copy_prior: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None) -> Generation:
     """`stream_tokens`, collected; with the question-prefill and decode times split."""
     out = Generation()
     started = time.perf_counter()
     for step in stream_tokens(model, tokenizer, cache, question_ids, max_new_tokens=max_new_tokens,
-                              stop_ids=stop_ids, first_logits=first_logits):
+                              stop_ids=stop_ids, first_logits=first_logits, copy_prior=copy_prior):
         if step.token_id is None:
             continue
         if not out.token_ids:

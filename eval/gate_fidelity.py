@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repair-select", default="source")
     ap.add_argument("--translated-key-scale", type=float, default=1.0, help="with --repair: the translated "
                     "paths' CachedContext.translated_key_scale (the crux path), recorded with their +repair record")
+    ap.add_argument("--copy-prior", type=float, default=0.0, help="the translated paths decode with this copy "
+                    "prior weight (cag.copy_prior), recorded with their record: the gate serves them with it")
     args = ap.parse_args(argv)
     items = calibration_lookup(seed=args.seed)[: args.n]
     items_name = f"{DATASET} seed {args.seed}, first {len(items)}"
@@ -131,7 +133,8 @@ def main(argv=None) -> int:
         store = None
         repair = {"ratio": args.repair, "select": args.repair_select} if args.repair else None
         scale = args.translated_key_scale if repair else 1.0
-        tag = f"repair{args.repair:g}-{args.repair_select}" + (f"-ks{scale:g}" if scale != 1.0 else "")
+        tag = f"repair{args.repair:g}-{args.repair_select}" + (f"-ks{scale:g}" if scale != 1.0 else "") \
+            + (f"-cp{args.copy_prior:g}" if args.copy_prior else "")
         if repair:  # the same store and items as the plain run (rebuilt when absent), recomputing the crux
             store = out / "store" if (out / "store").is_dir() else None
             out = args.out / f"source-{source}-{tag}"
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
             run_eval(part, folder, store=part_store, source=source, targets=targets, methods=args.methods,
                      max_new_tokens=args.max_new_tokens, command=" ".join(["python", *sys.argv]), progress=True,
                      recompute_ratio=args.repair, recompute_select=args.repair_select if repair else "deviation",
-                     translated_key_scale=scale, plots=False)
+                     translated_key_scale=scale, copy_prior=args.copy_prior, plots=False)
             return result_rows(folder, part)
 
         rows = measure(items, out, store)
@@ -192,6 +195,8 @@ def main(argv=None) -> int:
                                    mine_essays, cond, essay_name, "essays")}
                 if repair:
                     rec["repair"] = {**repair, **({"translated_key_scale": scale} if scale != 1.0 else {})}
+                if args.copy_prior:
+                    rec["copy_prior"] = args.copy_prior
                 report.append({"source": source, "target": target,
                                "path": "translated" + ("+repair" if repair else ""), **rec})
                 for folder, card in cards.values():

@@ -133,6 +133,7 @@ class _Run:
     # The question read in the recompute's forward, as `CachedContext.stream` serves it: the cache holds
     # the question and these are its last token's logits. None: the question is prefilled over the cache.
     first_logits: torch.Tensor | None = None
+    copy_prior: Any = None  # the context's cag.copy_prior.CopyPrior, as `CachedContext.stream` decodes with it
 
 
 class ItemRunner:
@@ -213,7 +214,7 @@ class ItemRunner:
         setup = t.load + t.translate + t.assemble + t.choose + t.recompute
         return _Run(prepared.cache, prepared.question_ids, prepared.answer.context_tokens, setup,
                     list(prepared.answer.warnings), prepared.context_span, prepared.answer.recomputed_tokens,
-                    prepared.first_logits)
+                    prepared.first_logits, prepared.copy_prior)
 
     # ----------------------------------------------------------- measurement
 
@@ -287,7 +288,8 @@ class ItemRunner:
         for name, run in runs.items():
             with self._ape(name, run):
                 gen = generate(self.lm.model, self.lm.tokenizer, run.cache, run.question_ids,
-                               max_new_tokens=self.max_new_tokens, stop_ids=stops, first_logits=run.first_logits)
+                               max_new_tokens=self.max_new_tokens, stop_ids=stops, first_logits=run.first_logits,
+                               copy_prior=run.copy_prior)
             is_direct = name == DIRECT
             results[name] = ConditionResult(
                 condition=name, answer=gen.text.strip(),

@@ -100,6 +100,16 @@ def _check_budget(finished: dict[tuple[str, str], dict], max_new_tokens: int, pa
                                       f"this run asks {max_new_tokens}. Use another --out, or delete the file to redo it.")
 
 
+def _check_copy_prior(finished: dict[tuple[str, str], dict], copy_prior: float, path: Path) -> None:
+    """A resumed run must decode its translated conditions with the same copy prior (rows from before it
+    existed decoded without one)."""
+    for (item, target), row in finished.items():
+        recorded = row.get("copy_prior", 0.0)
+        if recorded != copy_prior:
+            raise ResumeMismatchError(f"{path} holds rows decoded with copy_prior = {recorded} ({item}, {target}); "
+                                      f"this run asks {copy_prior}. Use another --out, or delete the file to redo it.")
+
+
 def _check_resumable(done: dict[tuple[str, str], dict[str, str]], target: str, mappers: dict[str, str],
                      path: Path) -> None:
     """A resumed run must translate with the mappers its earlier rows used: a refitted artifact
@@ -125,7 +135,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
              recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "",
              progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str | None = None,
              translated_key_scale: float = 1.0, rank_key_decay: float | None = None,
-             plots: bool = True) -> dict[str, Any]:
+             copy_prior: float = 0.0, plots: bool = True) -> dict[str, Any]:
     """Every condition on every (question, target) not yet in ``out_dir/results.jsonl``; the summary.
 
     `plots`: also draw retention.png and ttft.png (a caller with a table of its own, the gate, leaves them out).
@@ -136,6 +146,9 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
 
     `translated_key_scale`: `CachedContext.translated_key_scale` of the translated
     conditions (the crux path; the native condition is never scaled).
+
+    `copy_prior`: `CachedContext.copy_prior` of the translated conditions (never the native one, the
+    reference they are compared with, nor direct context).
 
     `rank_key_decay`: `CachedContext.rank_key_decay` of every cached condition; None serves
     each path's calibrated default (the target's on the native path, the mapper card's on a translated one).
@@ -153,6 +166,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
     # Refuse a mismatched resume before the store build, which costs minutes.
     finished = _finished_rows(results_path)
     _check_budget(finished, max_new_tokens, results_path)
+    _check_copy_prior(finished, copy_prior, results_path)
     _check_items(finished, items, results_path)
     done = {key: row.get("mappers", {}) for key, row in finished.items()}
     built = store is None
@@ -181,7 +195,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                         f"({rates[target]['prefill_tokens']} tokens)")
             contexts: dict[str, CachedContext] = {}
             for method in methods:
-                ctx = CachedContext(mapper=method, translated_key_scale=translated_key_scale, **settings)
+                ctx = CachedContext(mapper=method, translated_key_scale=translated_key_scale, copy_prior=copy_prior,
+                                    **settings)
                 try:
                     label = condition_label(method, ctx.active_mapper)
                 except (MapperNotFoundError, ValueError) as exc:
@@ -201,6 +216,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                 row = {"item": item.id, "item_sha": item_fingerprint(item), "target": target,
                        "meta": dict(item.meta), "question": item.question,
                        "answers": list(item.answers), "mappers": mappers, "max_new_tokens": max_new_tokens,
+                       **({"copy_prior": copy_prior} if copy_prior else {}),
                        "results": {k: v.to_dict() for k, v in results.items()}}
                 with open(results_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
@@ -216,6 +232,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
                       "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
                       "translated_key_scale": translated_key_scale, "rank_key_decay": rank_key_decay,
+                      "copy_prior": copy_prior,
                       "rank_key_decay_native": decays,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens,
                       "dtype": dtype if built else store_dtype(store)}

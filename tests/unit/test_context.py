@@ -124,3 +124,26 @@ def test_new_version_is_picked_up(kb, tmp_path):
                 embedder=HashEmbedder())
     after = {h.doc_id for h in ctx.retrieve(doc(9, paragraphs=1), top_k=50)}
     assert "doc9" not in before and "doc9" in after
+
+
+def test_a_copy_prior_is_built_over_the_placed_chunks_text(kb):
+    from cag.copy_prior import TextCopyPrior
+
+    question = "tower of Velmora"
+    assert ctx_for(kb).prepare(question).copy_prior is None          # off by default: the model alone
+    ctx = ctx_for(kb, copy_prior=0.5)
+    prepared = ctx.prepare(question)
+    prior = prepared.copy_prior
+    assert isinstance(prior, TextCopyPrior) and prior.weight == 0.5
+    assert prior._texts == [h.text for h in prepared.answer.sources]
+    assert prior.stop_ids                                             # a complete answer may still stop
+    assert ctx.answer(question).text is not None
+
+
+def test_the_served_path_decodes_with_the_copy_prior_it_was_measured_with(kb):
+    from cag.gate import GateDecision, PathFidelity
+
+    measured = GateDecision("translated", PathFidelity("translated", copy_prior=0.35), "", ())
+    assert ctx_for(kb)._copy_prior(measured) == 0.35                    # None: the record's weight
+    assert ctx_for(kb, copy_prior=0.0)._copy_prior(measured) == 0.0     # the caller's, said in a note
+    assert ctx_for(kb)._copy_prior(GateDecision("direct", PathFidelity("direct"), "", ())) == 0.0

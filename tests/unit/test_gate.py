@@ -163,3 +163,15 @@ def test_a_path_that_loses_free_essay_questions_is_refused_and_the_next_one_serv
     plain = {k: v for k, v in cheap.items() if k != "essays"}
     assert choose_path(gate._repair_candidates("translated+repair", [dear, plain], "card"), 0.6,
                        "direct").fidelity.repair["ratio"] == 0.1
+
+
+def test_a_record_measured_with_a_copy_prior_is_served_with_it():
+    record = {"found_retention": 0.9, "found_rate": 0.72, "direct_found_rate": 0.8, "no_context_found_rate": 0.1,
+              "n": 30, "items": "calib", "copy_prior": 0.35}
+    measured = PathFidelity.from_record("translated", record, recorded_in="card")
+    assert measured.copy_prior == 0.35 and "copy prior 0.35" in measured.label
+    decision = choose_path([measured], 0.6, "direct")
+    assert decision.path == "translated" and gate.served_copy_prior(decision) == 0.35
+    plain = PathFidelity.from_record("translated", {**record, "copy_prior": None}, recorded_in="card")
+    assert plain.copy_prior == 0.0 and plain.label == "translated"
+    assert gate.served_copy_prior(choose_path([fid("translated", 0.0)], 0.6, "direct")) == 0.0   # direct

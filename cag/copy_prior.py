@@ -1,0 +1,183 @@
+"""Copy prior: the answer's next token also drawn from what follows its own tail in the context.
+
+A translated cache finds the right fact and spells it wrong ("Rousath Vrolsesun" for "Rousrath
+Vrolsesvun", "1800" for 1807: eval/results/eval-kc-plain-more/results.jsonl). The question's attention
+lands on the fact, but copying a string exactly needs the keys right across the network's depth,
+which no map has reached (README, "Known limitations"). The context's tokens themselves are known
+exactly (the chunks' text), so decoding can take the induction step itself: find the longest suffix
+of the answer so far that occurs in the context, and mix the model's next-token distribution with the
+tokens that follow that suffix there,
+
+    p(t) = (1 − w) · p_model(t) + w · p_copy(t),      p_copy: those continuations' frequencies,
+
+as a pointer-generator network mixes copying and generating (See et al., 2017), with a fixed weight w
+where the network learns a gate. The first answer token is the model's alone (there is no suffix yet),
+and so is every token whose suffix occurs nowhere in the context. With one continuation, copying wins
+unless the model's favourite leads it by more than w / (1 − w) in probability, so a confident model
+still stops, or says what it means, where the context goes on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class CopyPrior:
+    """The copy distribution of a placed context, for `cag.generate.stream_tokens`.
+
+    `context_ids`: the context's target-token ids, one sequence per chunk (a suffix never matches
+    across two chunks). `weight`: w above, in [0, 1]. `max_order`: the longest suffix looked for.
+    """
+
+    def __init__(self, context_ids: Sequence[Sequence[int]], weight: float, max_order: int = 8, *,
+                 stop_ids: Sequence[int] = ()) -> None:
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
+        if max_order < 1:
+            raise ValueError(f"max_order must be at least 1, got {max_order}")
+        self.weight = float(weight)
+        self.max_order = int(max_order)
+        self.stop_ids = sorted(set(int(i) for i in stop_ids))
+        self._seqs = [[int(t) for t in seq] for seq in context_ids]
+        # token → every (chunk, position) holding it that has a next token: the suffix's last token is
+        # looked up here, then extended backwards, so a step costs the occurrences of one token
+        self._where: dict[int, list[tuple[int, int]]] = {}
+        for c, seq in enumerate(self._seqs):
+            for p in range(len(seq) - 1):
+                self._where.setdefault(seq[p], []).append((c, p))
+
+    def continuations(self, generated: Sequence[int]) -> dict[int, int]:
+        """The tokens that follow the longest suffix of `generated` found in the context, with counts."""
+        if not generated:
+            return {}
+        best, found = 0, {}
+        for c, p in self._where.get(int(generated[-1]), ()):
+            seq, n = self._seqs[c], 1
+            while n < self.max_order and n < len(generated) and p - n >= 0 and seq[p - n] == generated[-1 - n]:
+                n += 1
+            if n > best:
+                best, found = n, {}
+            if n == best:
+                nxt = seq[p + 1]
+                found[nxt] = found.get(nxt, 0) + 1
+        return found
+
+    def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the mixture (the logits as they are where nothing is copied)."""
+        return _mixed(logits, self.continuations(generated) if self.weight > 0 else {}, self.weight, self.stop_ids)
+
+
+class TextCopyPrior:
+    """The same mixture, with the suffix matched in the context's characters rather than its tokens.
+
+    A model that copies a rare name often splits it otherwise than the context's tokenization did
+    (" Repo" + ... where the text was tokenized " Rep" + "oz" + "iv"), and a token-level suffix then
+    matches nothing. Here the answer so far is decoded, its longest suffix (`min_chars` to `max_chars`
+    characters) is looked up in the chunks' text, and each occurrence proposes the longest vocabulary
+    token that spells the start of what follows it there.
+    """
+
+    def __init__(self, texts: Sequence[str], tokenizer: Any, weight: float, *, min_chars: int = 2,
+                 max_chars: int = 64, max_occurrences: int | None = None, stop_ids: Sequence[int] = ()) -> None:
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
+        if not 1 <= min_chars <= max_chars:
+            raise ValueError(f"need 1 <= min_chars <= max_chars, got {min_chars}, {max_chars}")
+        self.weight, self.min_chars, self.max_chars = float(weight), int(min_chars), int(max_chars)
+        self.max_occurrences = max_occurrences
+        self.stop_ids = sorted(set(int(i) for i in stop_ids))
+        self._texts = [t for t in texts if t]
+        self._tokenizer = tokenizer
+        self._vocab, self._longest = _spellings(tokenizer)
+
+    def continuations(self, generated: Sequence[int]) -> dict[int, int]:
+        """The tokens that start what follows the answer's longest suffix in the chunks' text, with counts."""
+        return self._follow(generated)[0]
+
+    def _follow(self, generated: Sequence[int]) -> tuple[dict[int, int], bool]:
+        """`continuations`, and whether the answer stands inside a word wherever the context goes on."""
+        if not generated:
+            return {}, False
+        text = self._tokenizer.decode(list(generated), skip_special_tokens=True)
+        n = 0
+        while n < min(len(text), self.max_chars) and any(text[-(n + 1):] in t for t in self._texts):
+            n += 1
+        if n < self.min_chars:
+            return {}, False
+        suffix, found, inside = text[-n:], {}, text[-1].isalnum()
+        for t in self._texts:
+            at = t.find(suffix)
+            while at >= 0:
+                rest = t[at + n: at + n + self._longest]
+                token = self._first_token(rest)
+                if token is not None:
+                    found[token] = found.get(token, 0) + 1
+                    inside = inside and rest[:1].isalnum()
+                at = t.find(suffix, at + 1)
+        if self.max_occurrences is not None and sum(found.values()) > self.max_occurrences:
+            return {}, False  # a suffix this common says nothing about what to copy ("The", "a")
+        return found, inside and bool(found)
+
+    def _first_token(self, rest: str) -> int | None:
+        for k in range(len(rest), 0, -1):
+            token = self._vocab.get(rest[:k])
+            if token is not None:
+                return token
+        return None
+
+    def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
+        if self.weight <= 0:
+            return logits
+        following, mid_word = self._follow(generated)
+        # An answer copied from the context does not end inside one of its words ("Quolubo" of "Quolubou"):
+        # there the model's wish to stop is mixed like any other token's.
+        return _mixed(logits, following, self.weight, () if mid_word else self.stop_ids)
+
+
+_SPELLINGS: "weakref.WeakKeyDictionary[Any, tuple[dict[str, int], int]]" = weakref.WeakKeyDictionary()
+
+
+def _spellings(tokenizer) -> tuple[dict[str, int], int]:
+    """Each vocabulary token's text → its id (the first id where two spell the same), and the longest
+    text; once per tokenizer (about a second for a 150k-262k vocabulary). Special tokens and pieces of a
+    character are left out: the context's text never continues with them."""
+    if tokenizer not in _SPELLINGS:
+        special = set(getattr(tokenizer, "all_special_ids", []))
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        vocab: dict[str, int] = {}
+        for i, piece in enumerate(pieces):
+            if piece is None or i in special:
+                continue
+            spelled = tokenizer.convert_tokens_to_string([piece])
+            if spelled and "\ufffd" not in spelled:
+                vocab.setdefault(spelled, i)
+        _SPELLINGS[tokenizer] = (vocab, max(map(len, vocab), default=1))
+    return _SPELLINGS[tokenizer]
+
+
+def _mixed(logits: torch.Tensor, following: dict[int, int], weight: float,
+           stop_ids: Sequence[int] = ()) -> torch.Tensor:
+    """log((1 − w) softmax(logits) + w · following / Σ following); the logits as they are if nothing follows.
+
+    With `stop_ids` the model keeps its own probability s of ending the answer and the mixture shares the
+    rest, (1 − w) p(t) + w (1 − s) c(t): an answer that is complete stops although the context goes on."""
+    following = {t: n for t, n in following.items() if t < logits.shape[-1]}  # tokens the head can emit
+    if not following:
+        return logits
+    model = torch.softmax(logits.float(), -1)
+    probs = model * (1.0 - weight)
+    mass = 1.0
+    stop_ids = [i for i in stop_ids if i < logits.shape[-1]]
+    if stop_ids:
+        stops = torch.tensor(stop_ids, device=probs.device)
+        probs[stops] = model[stops]
+        mass = 1.0 - float(model[stops].sum())
+    total = sum(following.values())
+    ids = torch.tensor(list(following), device=probs.device)
+    share = torch.tensor([v / total for v in following.values()], device=probs.device)
+    probs[ids] += weight * mass * share
+    return probs.log()

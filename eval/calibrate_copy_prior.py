@@ -1,0 +1,197 @@
+"""Choose the copy prior's weight (`cag.copy_prior`) on the gate's calibration items, never an evaluation set.
+
+    python eval/calibrate_copy_prior.py --target qwen2.5-0.5b --weights 0 0.2 0.35 0.5 \\
+        --stores eval/results/gate-kc-plain-more/refit --out eval/results/copy_prior/qwen
+
+The gate's three calibration parts (`eval/gate_fidelity.py`): 30 `calib-lookup` questions (seed 0), 24 code
+needles planted in the essays the translation lab holds out (seed 900), 36 free questions about those essays.
+Each question's cached paths (the translated one through `--method`, and the target's own chunks) are placed
+once, as `cag eval` places them (same retrieval, `eval.harness.ItemRunner`), and answered greedily at every
+weight from a copy of the placed cache. Weight 0 is the model alone and reproduces the gate's answers.
+`--stores` reuses the stores a gate run built (its `source-<model>`, `-copy` and `-essays` folders); without
+it each part's store is built in OUT. Rows go to OUT/rows.jsonl as they finish, so a stopped run resumes;
+OUT/summary.json and summary.md hold found and F1 per weight, paired against weight 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cag.context import CachedContext  # noqa: E402
+from cag.copy_prior import CopyPrior, TextCopyPrior  # noqa: E402
+from cag.generate import generate, stop_token_ids  # noqa: E402
+from cag.progress import Progress  # noqa: E402
+from eval import metrics  # noqa: E402
+from eval.eval_chunk_dtype import paired_delta  # noqa: E402
+from eval.harness import NATIVE, ItemRunner, host_info  # noqa: E402
+from eval.run import build_eval_store  # noqa: E402
+
+PARTS = ("lookups", "codes", "essays")
+STORE_SUFFIX = {"lookups": "", "codes": "-copy", "essays": "-essays"}  # gate_fidelity's folder names
+
+
+def part_items(part: str) -> list:
+    """The gate's items of one part, as `gate_fidelity.py` draws them with its defaults."""
+    from eval.calibration_lookup import calibration_lookup
+    from eval.datasets import calibration_essay_gate_qa
+    from eval.gate_fidelity import COPY_SEED, copy_items
+
+    if part == "lookups":
+        return calibration_lookup(seed=0)[:30]
+    if part == "codes":
+        return copy_items(24, COPY_SEED)
+    return calibration_essay_gate_qa()[:36]
+
+
+def answer_at(runner: ItemRunner, name: str, run, prior, answers, stops) -> dict:
+    lm = runner.lm
+    with runner._ape(name, run):
+        gen = generate(lm.model, lm.tokenizer, copy.deepcopy(run.cache), run.question_ids,
+                       max_new_tokens=runner.max_new_tokens, stop_ids=stops, first_logits=run.first_logits,
+                       copy_prior=prior)
+    return {"answer": gen.text.strip(), "found": metrics.contains_answer(gen.text, answers),
+            "f1": metrics.token_f1(gen.text, answers)}
+
+
+def summarize(rows: list[dict], weights: list[float]) -> list[dict]:
+    table = []
+    for part in PARTS:
+        for path in sorted({r["path"] for r in rows}):
+            mine = [r for r in rows if r["part"] == part and r["path"] == path]
+            if not mine:
+                continue
+            base_found = [r["by_weight"]["0"]["found"] for r in mine] if all("0" in r["by_weight"] for r in mine) \
+                else None
+            base_f1 = [r["by_weight"]["0"]["f1"] for r in mine] if base_found is not None else None
+            for w in weights:
+                key = f"{w:g}"
+                found = [r["by_weight"][key]["found"] for r in mine]
+                f1 = [r["by_weight"][key]["f1"] for r in mine]
+                line = {"part": part, "path": path, "weight": w, "n": len(mine), "found": int(sum(found)),
+                        "f1": round(sum(f1) / len(f1), 4)}
+                if base_found is not None and w != 0:
+                    line["d_found"] = paired_delta(base_found, found)
+                    line["d_f1"] = paired_delta(base_f1, f1)
+                table.append(line)
+    return table
+
+
+def render(table: list[dict], meta: dict) -> str:
+    out = [f"# Copy prior weight on the gate's calibration items ({meta['target']}, {meta['method']}, "
+           f"suffix matched in the context's {meta['unit']}s)", "",
+           f"Stop-aware: {meta['stop_aware']}; text unit: suffix of at least {meta['min_chars']} characters, "
+           f"found at most {meta['max_occurrences']} times.", "",
+           f"`{meta['command']}`", "", f"{meta['date']}, {meta['host']}; greedy, {meta['max_new_tokens']} new "
+           "tokens, the paths placed once per question and answered at every weight.", "",
+           "| part | path | weight | n | found | F1 | Δfound vs 0 [95%] | ΔF1 vs 0 [95%] |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for t in table:
+        def iv(d):
+            return f"{d['delta']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}]" if d else ""
+        out.append(f"| {t['part']} | {t['path']} | {t['weight']:g} | {t['n']} | {t['found']} | {t['f1']:.3f} | "
+                   f"{iv(t.get('d_found'))} | {iv(t.get('d_f1'))} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", default="smollm2-135m")
+    ap.add_argument("--target", default="qwen2.5-0.5b")
+    ap.add_argument("--method", default="bottleneck", help="the translated path's mapper")
+    ap.add_argument("--weights", type=float, nargs="+", default=[0.0, 0.2, 0.35, 0.5])
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--paths", nargs="+", choices=("translated", "native"), default=["translated", "native"])
+    ap.add_argument("--unit", choices=("token", "text"), default="token", help="match the answer's suffix in the "
+                    "context's tokens (CopyPrior) or its characters (TextCopyPrior)")
+    ap.add_argument("--stop-aware", action="store_true", help="the model keeps its own probability of ending "
+                    "the answer (stop_ids)")
+    ap.add_argument("--min-chars", type=int, default=2, help="--unit text: the shortest suffix that copies")
+    ap.add_argument("--max-occurrences", type=int, help="--unit text: no copying from a suffix found more often")
+    ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
+    ap.add_argument("--stores", type=Path, help="a gate run's folder whose stores to reuse")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    weights = sorted(set(args.weights) | {0.0})
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows_path = args.out / "rows.jsonl"
+    done = {}
+    if rows_path.is_file():
+        for line in rows_path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                if set(r["by_weight"]) != {f"{w:g}" for w in weights}:
+                    raise SystemExit(f"{rows_path} holds weights {sorted(r['by_weight'])}, not {weights}: "
+                                     "use another --out")
+                done[(r["part"], r["item"], r["path"])] = r
+    meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
+            "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars,
+            "max_occurrences": args.max_occurrences,
+            "max_new_tokens": args.max_new_tokens, "command": " ".join(["python", *sys.argv]),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
+    for part in args.parts:
+        items = part_items(part)
+        store = args.stores / f"source-{args.source}{STORE_SUFFIX[part]}" / "store" if args.stores else None
+        if store is None or not store.is_dir():
+            store = args.out / f"store-{part}"
+            if not store.is_dir():
+                build_eval_store(items, store, args.source, chunk_tokens=256)
+        settings = dict(store=store, target=args.target, top_k=4, max_new_tokens=args.max_new_tokens,
+                        translation_cache_mb=0)
+        base = CachedContext(mapper="identity", **settings)
+        ctx = CachedContext(mapper=args.method, **settings)
+        runner = ItemRunner(base, {args.method: ctx}, max_new_tokens=args.max_new_tokens)
+        lm = runner.lm
+        stops = stop_token_ids(lm.tokenizer)
+        if "translated" in args.paths:
+            meta.setdefault("artifacts", {})[args.method] = getattr(ctx.active_mapper, "artifact_id", args.method)
+        with Progress(f"copy prior: {part}", total=len(items) * len(args.paths), unit="answers",
+                      interval_s=20) as bar:
+            for item in items:
+                todo = [p for p in args.paths if (part, item.id, p) not in done]
+                bar.advance(len(args.paths) - len(todo))
+                if not todo:
+                    continue
+                hits = runner.hits_for(item)
+                context = [lm.tokenize(h.text)[0].tolist() for h in hits]
+
+                def prior(w: float):
+                    if w == 0:
+                        return None
+                    ends = stops if args.stop_aware else ()
+                    if args.unit == "text":
+                        return TextCopyPrior([h.text for h in hits], lm.tokenizer, w, min_chars=args.min_chars,
+                                             max_occurrences=args.max_occurrences, stop_ids=ends)
+                    return CopyPrior(context, w, stop_ids=ends)
+                for path in todo:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        run = runner._cached_run(ctx, item, hits) if path == "translated" else \
+                            runner._native_run(item, hits)
+                    name = f"cache:{args.method}" if path == "translated" else NATIVE
+                    by_weight = {f"{w:g}": answer_at(runner, name, run, prior(w), item.answers, stops)
+                                 for w in weights}
+                    row = {"part": part, "item": item.id, "path": path, "answers": list(item.answers),
+                           "by_weight": by_weight}
+                    with open(rows_path, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(row) + "\n")
+                    done[(part, item.id, path)] = row
+                    bar.advance(1)
+    rows = [r for r in done.values() if r["part"] in args.parts]
+    table = summarize(rows, weights)
+    (args.out / "summary.json").write_text(json.dumps({"run": meta, "table": table}, indent=1) + "\n")
+    (args.out / "summary.md").write_text(render(table, meta))
+    print(render(table, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

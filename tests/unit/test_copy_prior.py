@@ -1,0 +1,99 @@
+"""The copy prior: the continuation of the answer's longest suffix in the context, mixed in at weight w."""
+
+import math
+
+import pytest
+import torch
+
+from cag.copy_prior import CopyPrior
+
+
+def test_the_longest_suffix_decides_what_follows():
+    prior = CopyPrior([[5, 1, 2, 3], [9, 2, 4, 2, 7]], weight=0.5)
+    assert prior.continuations([]) == {}
+    assert prior.continuations([8]) == {}                       # occurs nowhere
+    assert prior.continuations([2]) == {3: 1, 4: 1, 7: 1}        # three places, one token long each
+    assert prior.continuations([1, 2]) == {3: 1}                 # the longer match wins
+    assert prior.continuations([6, 4, 2]) == {7: 1}              # ...and the longest of several
+    assert prior.continuations([3]) == {}                        # a chunk's last token has no next; no crossing
+
+
+def test_a_copied_token_wins_unless_the_model_leads_by_more_than_w_over_1_minus_w():
+    prior = CopyPrior([[1, 2, 3]], weight=0.3, max_order=4)
+    logits = torch.log(torch.tensor([0.05, 0.05, 0.05, 0.25, 0.6]))   # the model favours 4; the context says 3
+    out = prior(logits, [1, 2])
+    probs = out.exp()
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-5)
+    assert math.isclose(float(probs[3]), 0.7 * 0.25 + 0.3, rel_tol=1e-5)
+    assert int(out.argmax()) == 3                               # 0.6 − 0.25 < 0.3 / 0.7
+    confident = torch.log(torch.tensor([0.01, 0.01, 0.01, 0.02, 0.95]))
+    assert int(prior(confident, [1, 2]).argmax()) == 4          # 0.93 > 0.43: the model keeps its token
+
+
+def test_nothing_changes_without_a_match_or_at_weight_zero():
+    logits = torch.randn(6)
+    assert torch.equal(CopyPrior([[1, 2]], weight=0.5)(logits, [5]), logits)
+    assert torch.equal(CopyPrior([[1, 2]], weight=0.0)(logits, [1]), logits)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="weight"):
+        CopyPrior([[1]], weight=1.5)
+    with pytest.raises(ValueError, match="max_order"):
+        CopyPrior([[1]], weight=0.5, max_order=0)
+
+
+def test_the_text_prior_continues_a_name_the_model_split_otherwise(tiny):
+    from cag.copy_prior import TextCopyPrior
+
+    tok = tiny.tokenizer
+    context = "The keeper of the hut is Skuske Repoziv, since 1807."
+    prior = TextCopyPrior([context], tok, weight=0.5)
+    answer = tok("Skuske Repo", add_special_tokens=False)["input_ids"]
+    following = prior.continuations(answer)
+    assert following, "the suffix occurs in the context"
+    for token in following:
+        assert "ziv, since 1807.".startswith(tok.decode([token])), tok.decode([token])
+    assert prior.continuations(tok("Qqxq", add_special_tokens=False)["input_ids"]) == {}
+    assert prior.continuations([]) == {}
+    logits = torch.zeros(len(tok))
+    assert int(prior(logits, answer).argmax()) in following   # a flat model follows the context
+
+
+def test_the_model_keeps_its_own_chance_to_stop():
+    logits = torch.log(torch.tensor([0.7, 0.1, 0.1, 0.1]))             # token 0 ends the answer
+    plain = CopyPrior([[1, 2, 3]], weight=0.5)(logits, [1, 2]).exp()
+    aware = CopyPrior([[1, 2, 3]], weight=0.5, stop_ids=[0])(logits, [1, 2]).exp()
+    assert int(plain.argmax()) == 3                                    # 0.5·0.1 + 0.5 > 0.35: copies on
+    assert int(aware.argmax()) == 0 and math.isclose(float(aware[0]), 0.7, rel_tol=1e-5)
+    assert math.isclose(float(aware[3]), 0.5 * 0.1 + 0.5 * 0.3, rel_tol=1e-5)
+    assert math.isclose(float(aware.sum()), 1.0, rel_tol=1e-5)
+
+
+def test_a_suffix_found_too_often_copies_nothing(tiny):
+    from cag.copy_prior import TextCopyPrior
+
+    tok = tiny.tokenizer
+    text = "the cat and the dog and the bird"                   # " the" twice
+    answer = tok("xx the", add_special_tokens=False)["input_ids"]
+    assert TextCopyPrior([text], tok, 0.5).continuations(answer)
+    assert TextCopyPrior([text], tok, 0.5, max_occurrences=1).continuations(answer) == {}
+
+
+def test_a_copied_answer_does_not_stop_inside_a_word_of_the_context(tiny):
+    from cag.copy_prior import TextCopyPrior
+
+    tok = tiny.tokenizer
+    stop = 0
+    prior = TextCopyPrior(["The hut of Vimlem Quolubou keeps goats."], tok, 0.5, stop_ids=[stop])
+    size = len(tok)
+
+    def wants_to_stop():
+        logits = torch.full((size,), -5.0)
+        logits[stop] = 5.0          # the model is sure the answer is done
+        return logits
+
+    inside = tok("Vimlem Quolubo", add_special_tokens=False)["input_ids"]
+    assert prior.continuations(inside) and int(prior(wants_to_stop(), inside).argmax()) != stop
+    whole = tok("Vimlem Quolubou", add_special_tokens=False)["input_ids"]
+    assert int(prior(wants_to_stop(), whole).argmax()) == stop     # " keeps" starts a new word: it may stop
