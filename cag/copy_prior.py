@@ -92,7 +92,8 @@ class TextCopyPrior:
         self.stop_ids = sorted(set(int(i) for i in stop_ids))
         self._texts = [t for t in texts if t]
         self._tokenizer = tokenizer
-        self._vocab, self._longest = _spellings(tokenizer)
+        self._vocab: dict[str, int] | None = None  # built at the second answer token, after the first is out
+        self._longest = 0
 
     def continuations(self, generated: Sequence[int]) -> dict[int, int]:
         """The tokens that start what follows the answer's longest suffix in the chunks' text, with counts."""
@@ -108,6 +109,8 @@ class TextCopyPrior:
             n += 1
         if n < self.min_chars:
             return {}, False
+        if self._vocab is None:  # once per tokenizer (`_spellings`), never before the first token is chosen
+            self._vocab, self._longest = _spellings(self._tokenizer)
         suffix, found, inside = text[-n:], {}, text[-1].isalnum()
         for t in self._texts:
             at = t.find(suffix)
@@ -123,6 +126,7 @@ class TextCopyPrior:
         return found, inside and bool(found)
 
     def _first_token(self, rest: str) -> int | None:
+        """The longest vocabulary token that spells the start of `rest`."""
         for k in range(len(rest), 0, -1):
             token = self._vocab.get(rest[:k])
             if token is not None:
