@@ -13,8 +13,14 @@ tokens that follow that suffix there,
 as a pointer-generator network mixes copying and generating (See et al., 2017), with a fixed weight w
 where the network learns a gate. The first answer token is the model's alone (there is no suffix yet),
 and so is every token whose suffix occurs nowhere in the context. With one continuation, copying wins
-unless the model's favourite leads it by more than w / (1 − w) in probability, so a confident model
-still stops, or says what it means, where the context goes on.
+unless the model's favourite leads it by more than w / (1 − w) in probability.
+
+Given `stop_ids`, the model keeps its own probability of ending the answer (else at w ≥ 0.5 a unique match
+copies on to the end of the budget), except where the answer stands inside a word that the context
+continues: a model that splits a rare name otherwise than the text did would stop halfway through it.
+Each rule was measured on the gate's calibration items (eval/results/copy_prior/README.md); the served
+weight is 0.5, on translated paths only (the target's own chunks copy exactly already and lose free
+answers to it).
 """
 
 from __future__ import annotations
