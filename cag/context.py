@@ -97,7 +97,7 @@ class Prepared:
     # `prepare(with_question=True)` with a recompute: the question was read in the recompute's forward, the
     # cache holds it, and these are its last token's logits (generation starts from them). None: prefill it.
     first_logits: Any = None
-    copy_prior: Any = None  # cag.copy_prior.CopyPrior over the placed chunks' text, when the context has one
+    copy_prior: Any = None  # cag.copy_prior.TextCopyPrior over the placed chunks' text, when decoding uses one
 
 
 @dataclass

@@ -88,13 +88,12 @@ class TextCopyPrior:
     """
 
     def __init__(self, texts: Sequence[str], tokenizer: Any, weight: float, *, min_chars: int = 2,
-                 max_chars: int = 64, max_occurrences: int | None = None, stop_ids: Sequence[int] = ()) -> None:
+                 max_chars: int = 64, stop_ids: Sequence[int] = ()) -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
         if not 1 <= min_chars <= max_chars:
             raise ValueError(f"need 1 <= min_chars <= max_chars, got {min_chars}, {max_chars}")
         self.weight, self.min_chars, self.max_chars = float(weight), int(min_chars), int(max_chars)
-        self.max_occurrences = max_occurrences
         self.stop_ids = sorted(set(int(i) for i in stop_ids))
         self._texts = [t for t in texts if t]
         self._tokenizer = tokenizer
@@ -127,8 +126,6 @@ class TextCopyPrior:
                     found[token] = found.get(token, 0) + 1
                     inside = inside and rest[:1].isalnum()
                 at = t.find(suffix, at + 1)
-        if self.max_occurrences is not None and sum(found.values()) > self.max_occurrences:
-            return {}, False  # a suffix this common says nothing about what to copy ("The", "a")
         return found, inside and bool(found)
 
     def _first_token(self, rest: str) -> int | None:

@@ -88,8 +88,7 @@ def summarize(rows: list[dict], weights: list[float]) -> list[dict]:
 def render(table: list[dict], meta: dict) -> str:
     out = [f"# Copy prior weight on the gate's calibration items ({meta['target']}, {meta['method']}, "
            f"suffix matched in the context's {meta['unit']}s)", "",
-           f"Stop-aware: {meta['stop_aware']}; text unit: suffix of at least {meta['min_chars']} characters, "
-           f"found at most {meta['max_occurrences']} times.", "",
+           f"Stop-aware: {meta['stop_aware']}; text unit: suffix of at least {meta['min_chars']} characters.", "",
            f"`{meta['command']}`", "", f"{meta['date']}, {meta['host']}; greedy, {meta['max_new_tokens']} new "
            "tokens, the paths placed once per question and answered at every weight.", "",
            "| part | path | weight | n | found | F1 | Δfound vs 0 [95%] | ΔF1 vs 0 [95%] |",
@@ -115,7 +114,6 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-aware", action="store_true", help="the model keeps its own probability of ending "
                     "the answer (stop_ids)")
     ap.add_argument("--min-chars", type=int, default=2, help="--unit text: the shortest suffix that copies")
-    ap.add_argument("--max-occurrences", type=int, help="--unit text: no copying from a suffix found more often")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a gate run's folder whose stores to reuse")
     ap.add_argument("--out", type=Path, required=True)
@@ -134,7 +132,6 @@ def main(argv=None) -> int:
                 done[(r["part"], r["item"], r["path"])] = r
     meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
             "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars,
-            "max_occurrences": args.max_occurrences,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
     for part in args.parts:
@@ -169,7 +166,7 @@ def main(argv=None) -> int:
                     ends = stops if args.stop_aware else ()
                     if args.unit == "text":
                         return TextCopyPrior([h.text for h in hits], lm.tokenizer, w, min_chars=args.min_chars,
-                                             max_occurrences=args.max_occurrences, stop_ids=ends)
+                                             stop_ids=ends)
                     return CopyPrior(context, w, stop_ids=ends)
                 for path in todo:
                     with warnings.catch_warnings():

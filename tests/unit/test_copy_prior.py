@@ -70,16 +70,6 @@ def test_the_model_keeps_its_own_chance_to_stop():
     assert math.isclose(float(aware.sum()), 1.0, rel_tol=1e-5)
 
 
-def test_a_suffix_found_too_often_copies_nothing(tiny):
-    from cag.copy_prior import TextCopyPrior
-
-    tok = tiny.tokenizer
-    text = "the cat and the dog and the bird"                   # " the" twice
-    answer = tok("xx the", add_special_tokens=False)["input_ids"]
-    assert TextCopyPrior([text], tok, 0.5).continuations(answer)
-    assert TextCopyPrior([text], tok, 0.5, max_occurrences=1).continuations(answer) == {}
-
-
 def test_a_copied_answer_does_not_stop_inside_a_word_of_the_context(tiny):
     from cag.copy_prior import TextCopyPrior
 
