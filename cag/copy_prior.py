@@ -18,7 +18,8 @@ unless the model's favourite leads it by more than w / (1 − w) in probability.
 Given `stop_ids`, the model keeps its own probability of ending the answer (else at w ≥ 0.5 a unique match
 copies on to the end of the budget), except where the answer stands inside a word that the context
 continues: a model that splits a rare name otherwise than the text did would stop halfway through it.
-Each rule was measured on the gate's calibration items (eval/results/copy_prior/README.md); the served
+A word there runs through inner punctuation (`words="code"`: "60.836.86", "BB/7304", the default since it
+found 3 more of 24 calibration codes than letters and digits alone, `words="letters"`). Each rule was measured on the gate's calibration items (eval/results/copy_prior/README.md); the served
 weight is 0.5, on translated paths only (the target's own chunks copy exactly already and lose free
 answers to it).
 """
@@ -32,53 +33,9 @@ from typing import Any
 import torch
 
 
-class CopyPrior:
-    """The copy distribution of a placed context, for `cag.generate.stream_tokens`.
-
-    `context_ids`: the context's target-token ids, one sequence per chunk (a suffix never matches
-    across two chunks). `weight`: w above, in [0, 1]. `max_order`: the longest suffix looked for.
-    """
-
-    def __init__(self, context_ids: Sequence[Sequence[int]], weight: float, max_order: int = 8, *,
-                 stop_ids: Sequence[int] = ()) -> None:
-        if not 0.0 <= weight <= 1.0:
-            raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
-        if max_order < 1:
-            raise ValueError(f"max_order must be at least 1, got {max_order}")
-        self.weight = float(weight)
-        self.max_order = int(max_order)
-        self.stop_ids = sorted(set(int(i) for i in stop_ids))
-        self._seqs = [[int(t) for t in seq] for seq in context_ids]
-        # token → every (chunk, position) holding it that has a next token: the suffix's last token is
-        # looked up here, then extended backwards, so a step costs the occurrences of one token
-        self._where: dict[int, list[tuple[int, int]]] = {}
-        for c, seq in enumerate(self._seqs):
-            for p in range(len(seq) - 1):
-                self._where.setdefault(seq[p], []).append((c, p))
-
-    def continuations(self, generated: Sequence[int]) -> dict[int, int]:
-        """The tokens that follow the longest suffix of `generated` found in the context, with counts."""
-        if not generated:
-            return {}
-        best, found = 0, {}
-        for c, p in self._where.get(int(generated[-1]), ()):
-            seq, n = self._seqs[c], 1
-            while n < self.max_order and n < len(generated) and p - n >= 0 and seq[p - n] == generated[-1 - n]:
-                n += 1
-            if n > best:
-                best, found = n, {}
-            if n == best:
-                nxt = seq[p + 1]
-                found[nxt] = found.get(nxt, 0) + 1
-        return found
-
-    def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
-        """Log-probabilities of the mixture (the logits as they are where nothing is copied)."""
-        return _mixed(logits, self.continuations(generated) if self.weight > 0 else {}, self.weight, self.stop_ids)
-
-
 class TextCopyPrior:
-    """The same mixture, with the suffix matched in the context's characters rather than its tokens.
+    """The copy distribution of a placed context, for `cag.generate.stream_tokens`, its suffix matched
+    in the context's characters (the token-level prior it beat lives in eval/calibrate_copy_prior.py).
 
     A model that copies a rare name often splits it otherwise than the context's tokenization did
     (" Repo" + ... where the text was tokenized " Rep" + "oz" + "iv"), and a token-level suffix then
@@ -88,12 +45,15 @@ class TextCopyPrior:
     """
 
     def __init__(self, texts: Sequence[str], tokenizer: Any, weight: float, *, min_chars: int = 2,
-                 max_chars: int = 64, stop_ids: Sequence[int] = ()) -> None:
+                 max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code") -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
         if not 1 <= min_chars <= max_chars:
             raise ValueError(f"need 1 <= min_chars <= max_chars, got {min_chars}, {max_chars}")
+        if words not in WORD_RULES:
+            raise ValueError(f"words must be one of {sorted(WORD_RULES)}, got {words!r}")
         self.weight, self.min_chars, self.max_chars = float(weight), int(min_chars), int(max_chars)
+        self._goes_on = WORD_RULES[words]
         self.stop_ids = sorted(set(int(i) for i in stop_ids))
         self._texts = [t for t in texts if t]
         self._tokenizer = tokenizer
@@ -116,7 +76,7 @@ class TextCopyPrior:
             return {}, False
         if self._vocab is None:  # once per tokenizer (`_spellings`), never before the first token is chosen
             self._vocab, self._longest = _spellings(self._tokenizer)
-        suffix, found, inside = text[-n:], {}, text[-1].isalnum()
+        suffix, found, inside = text[-n:], {}, True
         for t in self._texts:
             at = t.find(suffix)
             while at >= 0:
@@ -124,7 +84,7 @@ class TextCopyPrior:
                 token = self._first_token(rest)
                 if token is not None:
                     found[token] = found.get(token, 0) + 1
-                    inside = inside and rest[:1].isalnum()
+                    inside = inside and self._goes_on(text[-1], rest)
                 at = t.find(suffix, at + 1)
         return found, inside and bool(found)
 
@@ -142,7 +102,25 @@ class TextCopyPrior:
         following, mid_word = self._follow(generated)
         # An answer copied from the context does not end inside one of its words ("Quolubo" of "Quolubou"):
         # there the model's wish to stop is mixed like any other token's.
-        return _mixed(logits, following, self.weight, () if mid_word else self.stop_ids)
+        return mixed(logits, following, self.weight, () if mid_word else self.stop_ids)
+
+
+def _letters_go_on(last: str, rest: str) -> bool:
+    """Inside a word: a letter or digit on both sides ("Quolubo|u")."""
+    return last.isalnum() and rest[:1].isalnum()
+
+
+def _code_goes_on(last: str, rest: str) -> bool:
+    """Inside a word, its inner punctuation included: "60.836|.86", "BB/|7304", "Vranpand|-Skusus" go on,
+    "23.9 years|. It" does not."""
+    if last.isspace() or not rest or rest[0].isspace():
+        return False
+    return rest[0].isalnum() or rest[1:2].isalnum()
+
+
+# Where the answer stands inside a word of the context, the model's wish to stop is mixed like any other
+# token's (eval/results/copy_prior/README.md measures each rule).
+WORD_RULES = {"letters": _letters_go_on, "code": _code_goes_on}
 
 
 _SPELLINGS: "weakref.WeakKeyDictionary[Any, tuple[dict[str, int], int]]" = weakref.WeakKeyDictionary()
@@ -166,7 +144,7 @@ def _spellings(tokenizer) -> tuple[dict[str, int], int]:
     return _SPELLINGS[tokenizer]
 
 
-def _mixed(logits: torch.Tensor, following: dict[int, int], weight: float,
+def mixed(logits: torch.Tensor, following: dict[int, int], weight: float,
            stop_ids: Sequence[int] = ()) -> torch.Tensor:
     """log((1 − w) softmax(logits) + w · following / Σ following); the logits as they are if nothing follows.
 

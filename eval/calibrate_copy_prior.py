@@ -21,13 +21,16 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cag.context import CachedContext  # noqa: E402
-from cag.copy_prior import CopyPrior, TextCopyPrior  # noqa: E402
+from cag.copy_prior import TextCopyPrior, mixed  # noqa: E402
 from cag.generate import generate, stop_token_ids  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from eval import metrics  # noqa: E402
@@ -37,6 +40,52 @@ from eval.run import build_eval_store  # noqa: E402
 
 PARTS = ("lookups", "codes", "essays")
 STORE_SUFFIX = {"lookups": "", "codes": "-copy", "essays": "-essays"}  # gate_fidelity's folder names
+
+
+class TokenCopyPrior:
+    """The copy prior with the suffix matched in the context's tokens: `--unit token`, the first calibration
+    run (copy_prior/qwen/); the served `TextCopyPrior` beat it on names the model splits otherwise.
+
+    `context_ids`: the context's target-token ids, one sequence per chunk (a suffix never matches
+    across two chunks). `weight`: w above, in [0, 1]. `max_order`: the longest suffix looked for.
+    """
+
+    def __init__(self, context_ids: Sequence[Sequence[int]], weight: float, max_order: int = 8, *,
+                 stop_ids: Sequence[int] = ()) -> None:
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
+        if max_order < 1:
+            raise ValueError(f"max_order must be at least 1, got {max_order}")
+        self.weight = float(weight)
+        self.max_order = int(max_order)
+        self.stop_ids = sorted(set(int(i) for i in stop_ids))
+        self._seqs = [[int(t) for t in seq] for seq in context_ids]
+        # token → every (chunk, position) holding it that has a next token: the suffix's last token is
+        # looked up here, then extended backwards, so a step costs the occurrences of one token
+        self._where: dict[int, list[tuple[int, int]]] = {}
+        for c, seq in enumerate(self._seqs):
+            for p in range(len(seq) - 1):
+                self._where.setdefault(seq[p], []).append((c, p))
+
+    def continuations(self, generated: Sequence[int]) -> dict[int, int]:
+        """The tokens that follow the longest suffix of `generated` found in the context, with counts."""
+        if not generated:
+            return {}
+        best, found = 0, {}
+        for c, p in self._where.get(int(generated[-1]), ()):
+            seq, n = self._seqs[c], 1
+            while n < self.max_order and n < len(generated) and p - n >= 0 and seq[p - n] == generated[-1 - n]:
+                n += 1
+            if n > best:
+                best, found = n, {}
+            if n == best:
+                nxt = seq[p + 1]
+                found[nxt] = found.get(nxt, 0) + 1
+        return found
+
+    def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the mixture (the logits as they are where nothing is copied)."""
+        return mixed(logits, self.continuations(generated) if self.weight > 0 else {}, self.weight, self.stop_ids)
 
 
 def part_items(part: str) -> list:
@@ -88,7 +137,8 @@ def summarize(rows: list[dict], weights: list[float]) -> list[dict]:
 def render(table: list[dict], meta: dict) -> str:
     out = [f"# Copy prior weight on the gate's calibration items ({meta['target']}, {meta['method']}, "
            f"suffix matched in the context's {meta['unit']}s)", "",
-           f"Stop-aware: {meta['stop_aware']}; text unit: suffix of at least {meta['min_chars']} characters.", "",
+           f"Stop-aware: {meta['stop_aware']}; text unit: suffix of at least {meta['min_chars']} characters; "
+           f"inside a word: {meta.get('words', 'letters')} (cag.copy_prior.WORD_RULES).", "",
            f"`{meta['command']}`", "", f"{meta['date']}, {meta['host']}; greedy, {meta['max_new_tokens']} new "
            "tokens, the paths placed once per question and answered at every weight.", "",
            "| part | path | weight | n | found | F1 | Δfound vs 0 [95%] | ΔF1 vs 0 [95%] |",
@@ -110,10 +160,12 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--paths", nargs="+", choices=("translated", "native"), default=["translated", "native"])
     ap.add_argument("--unit", choices=("token", "text"), default="token", help="match the answer's suffix in the "
-                    "context's tokens (CopyPrior) or its characters (TextCopyPrior)")
+                    "context's tokens (TokenCopyPrior) or its characters (TextCopyPrior)")
     ap.add_argument("--stop-aware", action="store_true", help="the model keeps its own probability of ending "
                     "the answer (stop_ids)")
     ap.add_argument("--min-chars", type=int, default=2, help="--unit text: the shortest suffix that copies")
+    ap.add_argument("--words", choices=("letters", "code"), default="code", help="--unit text --stop-aware: "
+                    "what counts as inside a word of the context, where the answer may not stop (cag.copy_prior)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a gate run's folder whose stores to reuse")
     ap.add_argument("--out", type=Path, required=True)
@@ -131,7 +183,7 @@ def main(argv=None) -> int:
                                      "use another --out")
                 done[(r["part"], r["item"], r["path"])] = r
     meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
-            "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars,
+            "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars, "words": args.words,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
     for part in args.parts:
@@ -166,8 +218,8 @@ def main(argv=None) -> int:
                     ends = stops if args.stop_aware else ()
                     if args.unit == "text":
                         return TextCopyPrior([h.text for h in hits], lm.tokenizer, w, min_chars=args.min_chars,
-                                             stop_ids=ends)
-                    return CopyPrior(context, w, stop_ids=ends)
+                                             stop_ids=ends, words=args.words)
+                    return TokenCopyPrior(context, w, stop_ids=ends)
                 for path in todo:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")

@@ -1,11 +1,14 @@
-"""The copy prior: the continuation of the answer's longest suffix in the context, mixed in at weight w."""
+"""The copy prior: the continuation of the answer's longest suffix in the context, mixed in at weight w.
+
+The mixture's arithmetic is tested through the token-level prior of eval/calibrate_copy_prior.py, whose
+suffixes are plain token ids; the served text-level prior on each family's tiny tokenizer."""
 
 import math
 
 import pytest
 import torch
 
-from cag.copy_prior import CopyPrior
+from eval.calibrate_copy_prior import TokenCopyPrior as CopyPrior
 
 
 def test_the_longest_suffix_decides_what_follows():
@@ -87,3 +90,27 @@ def test_a_copied_answer_does_not_stop_inside_a_word_of_the_context(tiny):
     assert prior.continuations(inside) and int(prior(wants_to_stop(), inside).argmax()) != stop
     whole = tok("Vimlem Quolubou", add_special_tokens=False)["input_ids"]
     assert int(prior(wants_to_stop(), whole).argmax()) == stop     # " keeps" starts a new word: it may stop
+
+
+def test_the_code_rule_keeps_a_code_whole_through_its_inner_punctuation(tiny):
+    from cag.copy_prior import TextCopyPrior
+
+    tok = tiny.tokenizer
+    stop = 0
+    text = "The vault's code is 60.836.86. Nobody else knows it."
+    size = len(tok)
+
+    def wants_to_stop():
+        logits = torch.full((size,), -5.0)
+        logits[stop] = 5.0
+        return logits
+
+    part = tok("60.836", add_special_tokens=False)["input_ids"]
+    whole = tok("60.836.86", add_special_tokens=False)["input_ids"]
+    letters = TextCopyPrior([text], tok, 0.5, stop_ids=[stop], words="letters")
+    code = TextCopyPrior([text], tok, 0.5, stop_ids=[stop])                 # the default
+    assert int(letters(wants_to_stop(), part).argmax()) == stop      # "." is not a letter: it may stop
+    assert int(code(wants_to_stop(), part).argmax()) != stop         # ".86" goes on: it may not
+    assert int(code(wants_to_stop(), whole).argmax()) == stop        # ". Nobody": the code is done
+    with pytest.raises(ValueError, match="words"):
+        TextCopyPrior([text], tok, 0.5, words="sentences")
