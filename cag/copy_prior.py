@@ -41,14 +41,11 @@ class TextCopyPrior:
     (" Repo" + ... where the text was tokenized " Rep" + "oz" + "iv"), and a token-level suffix then
     matches nothing. Here the answer so far is decoded, its longest suffix (`min_chars` to `max_chars`
     characters) is looked up in the chunks' text, and each occurrence proposes the longest vocabulary
-    token that spells the start of what follows it there (`spelling="longest"`), or shares its copy mass among every
-    token that spells a start of it, in proportion to the model's probabilities (`spelling="model"`: the text is
-    copied however the model prefers to split it).
+    token that spells the start of what follows it there.
     """
 
     def __init__(self, texts: Sequence[str], tokenizer: Any, weight: float, *, min_chars: int = 2,
-                 max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code",
-                 spelling: str = "longest") -> None:
+                 max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code") -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
         if not 1 <= min_chars <= max_chars:
@@ -56,9 +53,7 @@ class TextCopyPrior:
         if words not in WORD_RULES:
             raise ValueError(f"words must be one of {sorted(WORD_RULES)}, got {words!r}")
         self.weight, self.min_chars, self.max_chars = float(weight), int(min_chars), int(max_chars)
-        if spelling not in ("longest", "model"):
-            raise ValueError(f"spelling must be 'longest' or 'model', got {spelling!r}")
-        self._goes_on, self.spelling = WORD_RULES[words], spelling
+        self._goes_on = WORD_RULES[words]
         self.stop_ids = sorted(set(int(i) for i in stop_ids))
         self._texts = [t for t in texts if t]
         self._tokenizer = tokenizer
@@ -67,53 +62,31 @@ class TextCopyPrior:
 
     def continuations(self, generated: Sequence[int]) -> dict[int, int]:
         """The tokens that start what follows the answer's longest suffix in the chunks' text, with counts."""
-        found = {}
-        for rest in self._follow(generated)[0]:
-            token = self._first_token(rest)
-            found[token] = found.get(token, 0) + 1
-        return found
+        return self._follow(generated)[0]
 
-    def _follow(self, generated: Sequence[int]) -> tuple[list[str], bool]:
-        """What follows the answer's longest suffix at each occurrence that a token can start, and whether the
-        answer stands inside a word wherever the context goes on."""
+    def _follow(self, generated: Sequence[int]) -> tuple[dict[int, int], bool]:
+        """`continuations`, and whether the answer stands inside a word wherever the context goes on."""
         if not generated:
-            return [], False
+            return {}, False
         text = self._tokenizer.decode(list(generated), skip_special_tokens=True)
         n = 0
         while n < min(len(text), self.max_chars) and any(text[-(n + 1):] in t for t in self._texts):
             n += 1
         if n < self.min_chars:
-            return [], False
+            return {}, False
         if self._vocab is None:  # once per tokenizer (`_spellings`), never before the first token is chosen
             self._vocab, self._longest = _spellings(self._tokenizer)
-        suffix, rests, inside = text[-n:], [], True
+        suffix, found, inside = text[-n:], {}, True
         for t in self._texts:
             at = t.find(suffix)
             while at >= 0:
                 rest = t[at + n: at + n + self._longest]
-                if self._first_token(rest) is not None:
-                    rests.append(rest)
+                token = self._first_token(rest)
+                if token is not None:
+                    found[token] = found.get(token, 0) + 1
                     inside = inside and self._goes_on(text[-1], rest)
                 at = t.find(suffix, at + 1)
-        return rests, inside and bool(rests)
-
-    def _shares(self, rests: list[str], logits: torch.Tensor) -> dict[int, float]:
-        """Copy mass per token: one unit per occurrence, to its longest spelling or shared by the model's odds."""
-        found: dict[int, float] = {}
-        if self.spelling == "longest":
-            for rest in rests:
-                token = self._first_token(rest)
-                found[token] = found.get(token, 0.0) + 1.0
-            return found
-        probs = torch.softmax(logits.float(), -1)
-        for rest in rests:
-            spellings = {self._vocab[rest[:k]] for k in range(1, len(rest) + 1) if rest[:k] in self._vocab}
-            spellings = [t for t in spellings if t < probs.shape[-1]]
-            odds = probs[torch.tensor(spellings)] if spellings else torch.zeros(0)
-            total = float(odds.sum())
-            for t, o in zip(spellings, odds.tolist()):
-                found[t] = found.get(t, 0.0) + (o / total if total > 0 else 1.0 / len(spellings))
-        return found
+        return found, inside and bool(found)
 
     def _first_token(self, rest: str) -> int | None:
         """The longest vocabulary token that spells the start of `rest`."""
@@ -126,10 +99,10 @@ class TextCopyPrior:
     def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
         if self.weight <= 0:
             return logits
-        rests, mid_word = self._follow(generated)
+        following, mid_word = self._follow(generated)
         # An answer copied from the context does not end inside one of its words ("Quolubo" of "Quolubou"):
         # there the model's wish to stop is mixed like any other token's.
-        return mixed(logits, self._shares(rests, logits), self.weight, () if mid_word else self.stop_ids)
+        return mixed(logits, following, self.weight, () if mid_word else self.stop_ids)
 
 
 def _letters_go_on(last: str, rest: str) -> bool:
@@ -171,7 +144,7 @@ def _spellings(tokenizer) -> tuple[dict[str, int], int]:
     return _SPELLINGS[tokenizer]
 
 
-def mixed(logits: torch.Tensor, following: dict[int, float], weight: float,
+def mixed(logits: torch.Tensor, following: dict[int, int], weight: float,
            stop_ids: Sequence[int] = ()) -> torch.Tensor:
     """log((1 − w) softmax(logits) + w · following / Σ following); the logits as they are if nothing follows.
 

@@ -138,8 +138,7 @@ def render(table: list[dict], meta: dict) -> str:
     out = [f"# Copy prior weight on the gate's calibration items ({meta['target']}, {meta['method']}, "
            f"suffix matched in the context's {meta['unit']}s)", "",
            f"Stop-aware: {meta['stop_aware']}; text unit: suffix of at least {meta['min_chars']} characters; "
-           f"inside a word: {meta.get('words', 'letters')} (cag.copy_prior.WORD_RULES); "
-           f"spelling: {meta.get('spelling', 'longest')}.", "",
+           f"inside a word: {meta.get('words', 'letters')} (cag.copy_prior.WORD_RULES).", "",
            f"`{meta['command']}`", "", f"{meta['date']}, {meta['host']}; greedy, {meta['max_new_tokens']} new "
            "tokens, the paths placed once per question and answered at every weight.", "",
            "| part | path | weight | n | found | F1 | Δfound vs 0 [95%] | ΔF1 vs 0 [95%] |",
@@ -167,9 +166,6 @@ def main(argv=None) -> int:
     ap.add_argument("--min-chars", type=int, default=2, help="--unit text: the shortest suffix that copies")
     ap.add_argument("--words", choices=("letters", "code"), default="code", help="--unit text --stop-aware: "
                     "what counts as inside a word of the context, where the answer may not stop (cag.copy_prior)")
-    ap.add_argument("--spelling", choices=("longest", "model"), default="longest", help="--unit text: copy "
-                    "the longest token that spells what follows, or every token that spells a start of it, shared "
-                    "by the model's odds (cag.copy_prior)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a gate run's folder whose stores to reuse")
     ap.add_argument("--out", type=Path, required=True)
@@ -188,7 +184,6 @@ def main(argv=None) -> int:
                 done[(r["part"], r["item"], r["path"])] = r
     meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
             "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars, "words": args.words,
-            "spelling": args.spelling,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
     for part in args.parts:
@@ -225,8 +220,7 @@ def main(argv=None) -> int:
                     ends = stops if args.stop_aware else ()
                     if args.unit == "text":
                         return TextCopyPrior([h.text for h in hits], lm.tokenizer, w, min_chars=args.min_chars,
-                                             stop_ids=ends, words=args.words,
-                                             spelling=args.spelling)
+                                             stop_ids=ends, words=args.words)
                     return TokenCopyPrior(context, w, stop_ids=ends)
                 for path in todo:
                     with warnings.catch_warnings():
