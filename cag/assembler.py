@@ -301,10 +301,12 @@ class Assembler:
 
     @torch.inference_mode()
     def heads_attention(self, chunks: Sequence[KVChunk], questions: Sequence[torch.Tensor],
-                        heads: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+                        heads: Sequence[tuple[int, int]] | None = None, *,
+                        last_token: bool = False) -> list[torch.Tensor]:
         """Per question: the attention ``[len(heads), total]`` each (layer, query head) of `heads`
         puts on every position of head + `chunks` (placed as stored), averaged over the question's
-        tokens; `heads` None: every head, ``[layers, heads, total]``.
+        tokens (`last_token`: its last token's, the one that predicts the answer's first token);
+        `heads` None: every head, ``[layers, heads, total]``.
 
         What `context_attention` gives per head, for several questions and a few heads at the
         cost of one: the context is placed once, for the layers up to the deepest head only,
@@ -346,7 +348,8 @@ class Assembler:
                 group = q.shape[0] // k.shape[0]  # grouped-query attention: this head's KV head
                 logits = attention_logits(q[head:head + 1], k[head // group:head // group + 1], scaling, window,
                                           q_pos, k_pos)
-                rows.append(torch.softmax(logits, -1)[0, :, :total].float().mean(dim=0).cpu())
+                probs = torch.softmax(logits, -1)[0, :, :total].float()
+                rows.append((probs[-1] if last_token else probs.mean(dim=0)).cpu())
             mass = torch.stack(rows)
             out.append(mass.view(n_layers, n_heads, total) if every else mass)
         return out

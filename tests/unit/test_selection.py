@@ -123,6 +123,20 @@ def test_heads_attention_is_each_questions_context_attention(tiny):
         asm.heads_attention(chunks, [], heads)
 
 
+def test_heads_attention_of_the_last_token(tiny):
+    """`last_token`: the row of the question's last token, which predicts the answer's first; for a
+    one-token question that is the mean over its tokens."""
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    chunks = [tiny.prefill(DOC), tiny.prefill(OTHER)]
+    question = asm.question_ids("How many maps?")
+    (last,), (mean,) = asm.heads_attention(chunks, [question], last_token=True), asm.heads_attention(chunks, [question])
+    assert last.shape == mean.shape and not torch.allclose(last, mean)
+    assert bool((last.sum(-1) <= 1 + 1e-5).all()) and bool((last >= 0).all())
+    one = question[-1:]
+    (a,), (b,) = asm.heads_attention(chunks, [one], last_token=True), asm.heads_attention(chunks, [one])
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_budget_is_respected_and_positions_are_placed():
     chunk = fake_chunk(DOC)
     spans = [selection.sentence_spans(DOC)[:2]]
