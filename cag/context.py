@@ -54,6 +54,7 @@ class Timings:
     assemble: float = 0.0
     choose: float = 0.0  # choosing what to recompute outside the target (source model or retriever)
     recompute: float = 0.0  # the target's recompute forward (and, for its own choices, the choice)
+    point: float = 0.0  # the copy prior's pointer head read over the placed context (cag.copy_prior)
     question_prefill: float = 0.0
     first_token: float = 0.0
     decode: float = 0.0
@@ -492,11 +493,21 @@ class CachedContext(BaseModel):
         weight = copy_prior if copy_prior is not None else (self.copy_prior or 0.0)
         copy_prior = None
         if weight > 0:
-            from cag.copy_prior import TextCopyPrior
+            from cag.copy_prior import TextCopyPrior, pointer_head, pointer_starts
             from cag.generate import stop_token_ids
 
-            copy_prior = TextCopyPrior([h.text for h in used], lm.tokenizer, weight,
-                                       stop_ids=sorted(stop_token_ids(lm.tokenizer)))
+            texts, first, first_weight = [h.text for h in used], None, None
+            pointer = pointer_head(lm.fingerprint.id)
+            # The pointer head was chosen and weighed on the plain translated path: not on the target's own
+            # chunks (they start right) nor where a recompute changed what the question reads.
+            if pointer is not None and path == "translated" and not placed.recomputed_tokens and chunks:
+                t = time.perf_counter()
+                layer, head, first_weight = pointer
+                with asm.model_lock:
+                    first = pointer_starts(asm, chunks, texts, question_ids, layer, head, chat=asm.layout.chat)
+                timings.point = time.perf_counter() - t
+            copy_prior = TextCopyPrior(texts, lm.tokenizer, weight, stop_ids=sorted(stop_token_ids(lm.tokenizer)),
+                                       first=first, first_weight=first_weight)
         return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()),
                         placed.question_logits, copy_prior)
 

@@ -11,8 +11,10 @@ tokens that follow that suffix there,
     p(t) = (1 − w) · p_model(t) + w · p_copy(t),      p_copy: those continuations' frequencies,
 
 as a pointer-generator network mixes copying and generating (See et al., 2017), with a fixed weight w
-where the network learns a gate. The first answer token is the model's alone (there is no suffix yet),
-and so is every token whose suffix occurs nowhere in the context. With one continuation, copying wins
+where the network learns a gate. The first answer token has no suffix yet: where a pointer head is calibrated
+for the target (`pointer_heads.json`, `eval/probe_pointer.py`), its copy distribution is where that head looks
+from the question's last token, at its own weight; else it is the model's alone, as is every token whose suffix
+occurs nowhere in the context. With one continuation, copying wins
 unless the model's favourite leads it by more than w / (1 − w) in probability.
 
 Given `stop_ids`, the model keeps its own probability of ending the answer (else at w ≥ 0.5 a unique match
@@ -26,11 +28,16 @@ answers to it).
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
+
+POINTER_FILE = Path(__file__).with_name("pointer_heads.json")
 
 
 class TextCopyPrior:
@@ -45,7 +52,8 @@ class TextCopyPrior:
     """
 
     def __init__(self, texts: Sequence[str], tokenizer: Any, weight: float, *, min_chars: int = 2,
-                 max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code") -> None:
+                 max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code",
+                 first: dict[str, float] | None = None, first_weight: float | None = None) -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
         if not 1 <= min_chars <= max_chars:
@@ -59,6 +67,14 @@ class TextCopyPrior:
         self._tokenizer = tokenizer
         self._vocab: dict[str, int] | None = None  # built at the second answer token, after the first is out
         self._longest = 0
+        # The first token's copy distribution: where a pointer head of the target looks from the question's
+        # last token (texts that start there → weight), each spelled by its tokenizer's first token.
+        self.first_weight = self.weight if first_weight is None else float(first_weight)
+        self._first: dict[int, float] = {}
+        for start, w in (first or {}).items():
+            ids = tokenizer(start, add_special_tokens=False)["input_ids"]
+            if ids and w > 0:
+                self._first[ids[0]] = self._first.get(ids[0], 0.0) + float(w)
 
     def continuations(self, generated: Sequence[int]) -> dict[int, int]:
         """The tokens that start what follows the answer's longest suffix in the chunks' text, with counts."""
@@ -99,6 +115,8 @@ class TextCopyPrior:
     def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
         if self.weight <= 0:
             return logits
+        if not generated:
+            return mixed(logits, self._first, self.first_weight, self.stop_ids)
         following, mid_word = self._follow(generated)
         # An answer copied from the context does not end inside one of its words ("Quolubo" of "Quolubou"):
         # there the model's wish to stop is mixed like any other token's.
@@ -144,7 +162,7 @@ def _spellings(tokenizer) -> tuple[dict[str, int], int]:
     return _SPELLINGS[tokenizer]
 
 
-def mixed(logits: torch.Tensor, following: dict[int, int], weight: float,
+def mixed(logits: torch.Tensor, following: dict[int, float], weight: float,
            stop_ids: Sequence[int] = ()) -> torch.Tensor:
     """log((1 − w) softmax(logits) + w · following / Σ following); the logits as they are if nothing follows.
 
@@ -166,3 +184,37 @@ def mixed(logits: torch.Tensor, following: dict[int, int], weight: float,
     share = torch.tensor([v / total for v in following.values()], device=probs.device)
     probs[ids] += weight * mass * share
     return probs.log()
+
+
+@lru_cache(maxsize=None)
+def _pointer_file(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def pointer_head(fingerprint_id: str, path: Path | None = None) -> tuple[int, int, float] | None:
+    """(layer, head, weight) of the target's calibrated pointer head, or None."""
+    entry = _pointer_file(path or POINTER_FILE).get(fingerprint_id)
+    if not entry:
+        return None
+    layer, head = entry["head"]
+    return int(layer), int(head), float(entry["weight"])
+
+
+def pointer_starts(assembler, chunks: Sequence[Any], texts: Sequence[str], question_ids: torch.Tensor,
+                   layer: int, head: int, *, chat: bool = True) -> dict[str, float]:
+    """Where (`layer`, `head`) of the target looks from the question's last token over `chunks` (placed as
+    stored after the prompt head): the attention on each token that starts a word, keyed by the text from there
+    (64 characters; after a space where the layout's answers start with one, `chat=False`)."""
+    (mass,) = assembler.heads_attention(chunks, [question_ids], [(layer, head)], last_token=True)
+    mass, at, starts = mass[0], assembler.prefix().num_tokens, {}
+    for chunk, text in zip(chunks, texts):
+        for i, (a, _) in enumerate(chunk.offsets.tolist()):
+            rest = text[a:a + 65].lstrip()
+            if rest and (a == 0 or text[a].isspace() or text[a - 1].isspace()):
+                key = rest[:64] if chat else " " + rest[:63]
+                starts[key] = starts.get(key, 0.0) + float(mass[at + i])
+        at += chunk.num_tokens
+    return starts

@@ -273,7 +273,7 @@ class RoutedAnswer:
         served = self.answer.timings
         return Timings(retrieve=s.retrieve, load=s.load + lg.load, translate=s.translate + lg.translate,
                        assemble=s.assemble + lg.assemble, choose=s.choose + lg.choose,
-                       recompute=s.recompute + lg.recompute,
+                       recompute=s.recompute + lg.recompute, point=s.point + lg.point,
                        question_prefill=served.question_prefill, first_token=self.ttft_s,
                        decode=served.decode, total=self.total_s)
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cag.context import CachedContext  # noqa: E402
-from cag.copy_prior import TextCopyPrior, mixed  # noqa: E402
+from cag.copy_prior import TextCopyPrior, mixed, pointer_starts  # noqa: E402
 from cag.generate import generate, stop_token_ids  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from eval import metrics  # noqa: E402
@@ -86,6 +86,17 @@ class TokenCopyPrior:
     def __call__(self, logits: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
         """Log-probabilities of the mixture (the logits as they are where nothing is copied)."""
         return mixed(logits, self.continuations(generated) if self.weight > 0 else {}, self.weight, self.stop_ids)
+
+
+def pointer_first(ctx: CachedContext, question: str, hits, head: str) -> dict[str, float]:
+    """`cag.copy_prior.pointer_starts` of (layer, head) `head` ("16.7") over the translated chunks of `hits`."""
+    from cag.context import Timings
+
+    layer, h = (int(x) for x in head.split("."))
+    asm = ctx.assembler
+    chunks, used = ctx._target_chunks(ctx._order(hits), Timings(), [])
+    return pointer_starts(asm, chunks, [u.text for u in used], asm.question_ids(question), layer, h,
+                          chat=asm.layout.chat)
 
 
 def part_items(part: str) -> list:
@@ -166,6 +177,11 @@ def main(argv=None) -> int:
     ap.add_argument("--min-chars", type=int, default=2, help="--unit text: the shortest suffix that copies")
     ap.add_argument("--words", choices=("letters", "code"), default="code", help="--unit text --stop-aware: "
                     "what counts as inside a word of the context, where the answer may not stop (cag.copy_prior)")
+    ap.add_argument("--pointer", help="LAYER.HEAD: the first token's copy distribution is where this head of the "
+                    "target looks from the question's last token, over the translated chunks placed as stored "
+                    "(eval/probe_pointer.py ranks the heads)")
+    ap.add_argument("--pointer-weight", type=float, help="--pointer: the first token's weight (default: the "
+                    "weight of the run's column)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a gate run's folder whose stores to reuse")
     ap.add_argument("--out", type=Path, required=True)
@@ -184,6 +200,7 @@ def main(argv=None) -> int:
                 done[(r["part"], r["item"], r["path"])] = r
     meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
             "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars, "words": args.words,
+            "pointer": args.pointer, "pointer_weight": args.pointer_weight,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
     for part in args.parts:
@@ -213,6 +230,7 @@ def main(argv=None) -> int:
                     continue
                 hits = runner.hits_for(item)
                 context = [lm.tokenize(h.text)[0].tolist() for h in hits]
+                first = pointer_first(ctx, item.question, hits, args.pointer) if args.pointer else None
 
                 def prior(w: float):
                     if w == 0:
@@ -220,7 +238,8 @@ def main(argv=None) -> int:
                     ends = stops if args.stop_aware else ()
                     if args.unit == "text":
                         return TextCopyPrior([h.text for h in hits], lm.tokenizer, w, min_chars=args.min_chars,
-                                             stop_ids=ends, words=args.words)
+                                             stop_ids=ends, words=args.words, first=first,
+                                             first_weight=args.pointer_weight)
                     return TokenCopyPrior(context, w, stop_ids=ends)
                 for path in todo:
                     with warnings.catch_warnings():

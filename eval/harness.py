@@ -211,7 +211,7 @@ class ItemRunner:
             # the recompute's forward (the same logits up to rounding, one pass over the weights fewer).
             prepared = ctx.prepare(item.question, hits, max_new_tokens=self.max_new_tokens, with_question=True)
         t = prepared.answer.timings
-        setup = t.load + t.translate + t.assemble + t.choose + t.recompute
+        setup = t.load + t.translate + t.assemble + t.choose + t.recompute + t.point
         return _Run(prepared.cache, prepared.question_ids, prepared.answer.context_tokens, setup,
                     list(prepared.answer.warnings), prepared.context_span, prepared.answer.recomputed_tokens,
                     prepared.first_logits, prepared.copy_prior)

@@ -147,3 +147,30 @@ def test_the_served_path_decodes_with_the_copy_prior_it_was_measured_with(kb):
     assert ctx_for(kb)._copy_prior(measured) == 0.35                    # None: the record's weight
     assert ctx_for(kb, copy_prior=0.0)._copy_prior(measured) == 0.0     # the caller's, said in a note
     assert ctx_for(kb)._copy_prior(GateDecision("direct", PathFidelity("direct"), "", ())) == 0.0
+
+
+def test_a_pointer_head_starts_the_translated_paths_copy_prior(tmp_path, monkeypatch):
+    import cag.copy_prior
+    from mappers.fit import fit_mapper
+    from tests.mappers.conftest import TEXTS
+
+    small, large = saved(tmp_path, "qwen2"), saved(tmp_path, "llama")
+    small_lm, large_lm = registry.load(str(small), "float32"), registry.load(str(large), "float32")
+    build_store([(f"doc{i}", doc(i, paragraphs=2)) for i in range(4)], tmp_path / "store", small_lm,
+                chunk_tokens=32, embedder=HashEmbedder())
+    fit_mapper(small_lm, large_lm, "ridge", TEXTS, tmp_path / "mapper", progress=False, fidelity_texts=2,
+               batch_size=4)
+
+    def prepared(target, mapper):
+        ctx = CachedContext(store=tmp_path / "store", target=str(target), mapper=mapper, embedder=HashEmbedder(),
+                            dtype="float32", max_new_tokens=4, top_k=3, min_retention=0.0, copy_prior=0.5)
+        return ctx.prepare("tower of Velmora")
+
+    assert prepared(large, str(tmp_path / "mapper")).copy_prior._first == {}   # no head calibrated: the model's
+    monkeypatch.setattr(cag.copy_prior, "pointer_head", lambda fingerprint_id: (1, 0, 0.4))
+    translated = prepared(large, str(tmp_path / "mapper"))
+    prior = translated.copy_prior
+    assert prior._first and prior.first_weight == 0.4 and translated.answer.timings.point > 0
+    assert 0 < sum(prior._first.values()) <= 1 + 1e-5          # a share of one head's attention
+    native = prepared(small, "identity")                       # the target's own chunks start right: no pointer
+    assert native.copy_prior._first == {} and native.answer.timings.point == 0

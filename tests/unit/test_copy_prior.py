@@ -114,3 +114,49 @@ def test_the_code_rule_keeps_a_code_whole_through_its_inner_punctuation(tiny):
     assert int(code(wants_to_stop(), whole).argmax()) == stop        # ". Nobody": the code is done
     with pytest.raises(ValueError, match="words"):
         TextCopyPrior([text], tok, 0.5, words="sentences")
+
+
+def test_a_pointer_starts_the_answer_where_the_text_it_points_at_starts(tiny):
+    from cag.copy_prior import TextCopyPrior
+
+    tok = tiny.tokenizer
+    prior = TextCopyPrior(["The code is JF/46355 here."], tok, 0.5, first={"JF/46355 here.": 0.9, "here.": 0.1},
+                          first_weight=0.4)
+    jf = tok("JF/46355 here.", add_special_tokens=False)["input_ids"][0]
+    assert prior.continuations([]) == {}                      # the text prior itself needs a suffix
+    logits = torch.zeros(len(tok))
+    probs = prior(logits, []).exp()
+    flat = 1.0 / len(tok)
+    assert math.isclose(float(probs[jf]), 0.6 * flat + 0.4 * 0.9, rel_tol=1e-4)
+    assert int(probs.argmax()) == jf and math.isclose(float(probs.sum()), 1.0, rel_tol=1e-4)
+    plain = TextCopyPrior(["The code is JF/46355 here."], tok, 0.5)
+    assert torch.equal(plain(logits, []), logits)             # no pointer: the first token is the model's
+
+
+def test_pointer_starts_weigh_the_words_a_head_attends_to(tiny):
+    from cag.assembler import Assembler
+    from cag.copy_prior import pointer_starts
+    from cag.prompt import layout_for
+
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    texts = ["The keeper of the hut is Skuske Repoziv.", "Goats graze on the hill."]
+    chunks = [tiny.prefill(t) for t in texts]
+    starts = pointer_starts(asm, chunks, texts, asm.question_ids("Who keeps the hut?"), 1, 0)
+    assert starts and all(w >= 0 for w in starts.values())
+    assert sum(starts.values()) <= 1 + 1e-5                   # a share of one head's attention
+    words = {w for t in texts for w in t.split()}
+    assert {s.split()[0] for s in starts} <= words            # every key starts at a word of the chunks
+    spaced = pointer_starts(asm, chunks, texts, asm.question_ids("Who keeps the hut?"), 1, 0, chat=False)
+    assert all(s.startswith(" ") for s in spaced)
+
+
+def test_the_pointer_file_names_a_head_and_its_weight(tmp_path):
+    import json
+
+    from cag.copy_prior import pointer_head
+
+    path = tmp_path / "pointer_heads.json"
+    path.write_text(json.dumps({"fp": {"model": "m", "head": [16, 7], "weight": 0.4}}))
+    assert pointer_head("fp", path) == (16, 7, 0.4)
+    assert pointer_head("other", path) is None
+    assert pointer_head("fp", tmp_path / "missing.json") is None
