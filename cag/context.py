@@ -500,14 +500,15 @@ class CachedContext(BaseModel):
             pointer = pointer_head(lm.fingerprint.id)
             # The pointer head was chosen and weighed on the plain translated path: not on the target's own
             # chunks (they start right) nor where a recompute changed what the question reads.
+            t = time.perf_counter()
             if pointer is not None and path == "translated" and not placed.recomputed_tokens and chunks:
-                t = time.perf_counter()
                 layer, head, first_weight = pointer
                 with asm.model_lock:
                     first = pointer_starts(asm, chunks, texts, question_ids, layer, head, chat=asm.layout.chat)
-                timings.point = time.perf_counter() - t
             copy_prior = TextCopyPrior(texts, lm.tokenizer, weight, stop_ids=sorted(stop_token_ids(lm.tokenizer)),
                                        first=first, first_weight=first_weight)
+            if first is not None:  # the head's read and its starts' spelling: before the first token, so TTFT
+                timings.point = time.perf_counter() - t
         return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()),
                         placed.question_logits, copy_prior)
 

@@ -20,10 +20,10 @@ unless the model's favourite leads it by more than w / (1 − w) in probability.
 Given `stop_ids`, the model keeps its own probability of ending the answer (else at w ≥ 0.5 a unique match
 copies on to the end of the budget), except where the answer stands inside a word that the context
 continues: a model that splits a rare name otherwise than the text did would stop halfway through it.
-A word there runs through inner punctuation (`words="code"`: "60.836.86", "BB/7304", the default since it
-found 3 more of 24 calibration codes than letters and digits alone, `words="letters"`). Each rule was measured on the gate's calibration items (eval/results/copy_prior/README.md); the served
-weight is 0.5, on translated paths only (the target's own chunks copy exactly already and lose free
-answers to it).
+A word there runs through inner punctuation (`words="code"`: "60.836.86", "BB/7304"; the default since it
+found 3 more of 24 calibration codes than letters and digits alone, `words="letters"`). Each rule was
+measured on the gate's calibration items (eval/results/copy_prior/README.md); the served weight is 0.5,
+on translated paths only (the target's own chunks copy exactly already and lose free answers to it).
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ class TextCopyPrior:
         # last token (texts that start there → weight), each spelled by its tokenizer's first token.
         self.first_weight = self.weight if first_weight is None else float(first_weight)
         self._first: dict[int, float] = {}
-        for start, w in (first or {}).items():
-            ids = tokenizer(start, add_special_tokens=False)["input_ids"]
-            if ids and w > 0:
-                self._first[ids[0]] = self._first.get(ids[0], 0.0) + float(w)
+        starts = [(text, w) for text, w in (first or {}).items() if w > 0]
+        if starts:  # one batched call: a 4K context has thousands of word starts, read before the first token
+            encoded = tokenizer([text for text, _ in starts], add_special_tokens=False)["input_ids"]
+            for ids, (_, w) in zip(encoded, starts):
+                if ids:
+                    self._first[ids[0]] = self._first.get(ids[0], 0.0) + float(w)
 
     def continuations(self, generated: Sequence[int]) -> dict[int, int]:
         """The tokens that start what follows the answer's longest suffix in the chunks' text, with counts."""
@@ -206,15 +208,17 @@ def pointer_head(fingerprint_id: str, path: Path | None = None) -> tuple[int, in
 def pointer_starts(assembler, chunks: Sequence[Any], texts: Sequence[str], question_ids: torch.Tensor,
                    layer: int, head: int, *, chat: bool = True) -> dict[str, float]:
     """Where (`layer`, `head`) of the target looks from the question's last token over `chunks` (placed as
-    stored after the prompt head): the attention on each token that starts a word, keyed by the text from there
-    (64 characters; after a space where the layout's answers start with one, `chat=False`)."""
+    stored after the prompt head): the attention on each token that starts a word, summed per word (its first
+    64 characters; after a space where the layout's answers start with one, `chat=False`)."""
     (mass,) = assembler.heads_attention(chunks, [question_ids], [(layer, head)], last_token=True)
     mass, at, starts = mass[0], assembler.prefix().num_tokens, {}
     for chunk, text in zip(chunks, texts):
         for i, (a, _) in enumerate(chunk.offsets.tolist()):
-            rest = text[a:a + 65].lstrip()
-            if rest and (a == 0 or text[a].isspace() or text[a - 1].isspace()):
-                key = rest[:64] if chat else " " + rest[:63]
+            words = text[a:a + 65].split(maxsplit=1)
+            if words and (a == 0 or text[a].isspace() or text[a - 1].isspace()):
+                # The word alone spells the same first token (a tokenizer's pieces never cross a space), and
+                # a word met many times is tokenized once.
+                key = words[0] if chat else " " + words[0]
                 starts[key] = starts.get(key, 0.0) + float(mass[at + i])
         at += chunk.num_tokens
     return starts
