@@ -112,6 +112,28 @@ def part_items(part: str) -> list:
     return calibration_essay_gate_qa()[:36]
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows a stopped run wrote to its JSONL file (none if it never started): runs resume from them."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def part_store(part: str, items: list, source: str, stores: Path | None, out: Path) -> Path:
+    """The SmolLM2 store of one part's items: a gate run's (`source-<model>[-copy|-essays]`) or another run
+    of these scripts' (`store-<part>`) under `stores`, else built once in `out`."""
+    candidates = [] if stores is None else [stores / f"store-{part}"]
+    if stores is not None and part in STORE_SUFFIX:  # a gate run holds the gate's three parts only
+        candidates.insert(0, stores / f"source-{source}{STORE_SUFFIX[part]}" / "store")
+    for store in candidates:
+        if store.is_dir():
+            return store
+    store = out / f"store-{part}"
+    if not store.is_dir():
+        build_eval_store(items, store, source, chunk_tokens=256)
+    return store
+
+
 def answer_at(runner: ItemRunner, name: str, run, prior, answers, stops) -> dict:
     lm = runner.lm
     with runner._ape(name, run):
@@ -190,14 +212,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
     done = {}
-    if rows_path.is_file():
-        for line in rows_path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                if set(r["by_weight"]) != {f"{w:g}" for w in weights}:
-                    raise SystemExit(f"{rows_path} holds weights {sorted(r['by_weight'])}, not {weights}: "
-                                     "use another --out")
-                done[(r["part"], r["item"], r["path"])] = r
+    for r in read_rows(rows_path):
+        if set(r["by_weight"]) != {f"{w:g}" for w in weights}:
+            raise SystemExit(f"{rows_path} holds weights {sorted(r['by_weight'])}, not {weights}: use another --out")
+        done[(r["part"], r["item"], r["path"])] = r
     meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
             "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars, "words": args.words,
             "pointer": args.pointer, "pointer_weight": args.pointer_weight,
@@ -205,13 +223,7 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
     for part in args.parts:
         items = part_items(part)
-        store = args.stores / f"source-{args.source}{STORE_SUFFIX[part]}" / "store" if args.stores else None
-        if store is not None and not store.is_dir():  # or another run of this script's OUT
-            store = args.stores / f"store-{part}"
-        if store is None or not store.is_dir():
-            store = args.out / f"store-{part}"
-            if not store.is_dir():
-                build_eval_store(items, store, args.source, chunk_tokens=256)
+        store = part_store(part, items, args.source, args.stores, args.out)
         settings = dict(store=store, target=args.target, top_k=4, max_new_tokens=args.max_new_tokens,
                         translation_cache_mb=0)
         base = CachedContext(mapper="identity", **settings)

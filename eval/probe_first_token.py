@@ -36,9 +36,8 @@ from cag.copy_prior import _spellings  # noqa: E402
 from cag.generate import last_logits  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from cag.selection import retriever_sentence_scores  # noqa: E402
-from eval.calibrate_copy_prior import PARTS, part_items  # noqa: E402
+from eval.calibrate_copy_prior import PARTS, part_items, part_store, read_rows  # noqa: E402
 from eval.harness import ItemRunner, host_info  # noqa: E402
-from eval.run import build_eval_store  # noqa: E402
 from stores.chunker import sentence_spans  # noqa: E402
 
 
@@ -81,22 +80,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
-    done = {}
-    if rows_path.is_file():
-        for line in rows_path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done[(r["part"], r["item"])] = r
+    done = {(r["part"], r["item"]): r for r in read_rows(rows_path)}
     meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
             "host": host_info().get("cpu", ""), "target": args.target, "method": args.method,
             "top_sentences": args.top_sentences}
     for part in args.parts:
         items = part_items(part)
-        store = (args.stores / f"store-{part}") if args.stores else None
-        if store is None or not store.is_dir():
-            store = args.out / f"store-{part}"
-            if not store.is_dir():
-                build_eval_store(items, store, args.source, chunk_tokens=256)
+        store = part_store(part, items, args.source, args.stores, args.out)
         settings = dict(store=store, target=args.target, top_k=4, max_new_tokens=16, translation_cache_mb=0)
         ctx = CachedContext(mapper=args.method, **settings)
         runner = ItemRunner(CachedContext(mapper="identity", **settings), {args.method: ctx}, max_new_tokens=16)

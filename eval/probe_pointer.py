@@ -33,9 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from cag.context import CachedContext, Timings  # noqa: E402
 from cag.progress import Progress  # noqa: E402
-from eval.calibrate_copy_prior import part_items  # noqa: E402
+from eval.calibrate_copy_prior import part_items, part_store, read_rows  # noqa: E402
 from eval.harness import host_info  # noqa: E402
-from eval.run import build_eval_store  # noqa: E402
 
 PARTS = ("choose", "lookups", "codes")
 
@@ -73,22 +72,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
-    done = {}
-    if rows_path.is_file():
-        for line in rows_path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done[(r["part"], r["item"])] = r
+    done = {(r["part"], r["item"]): r for r in read_rows(rows_path)}
     meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
             "host": host_info().get("cpu", ""), "target": args.target, "method": args.method,
             "choose_seed": args.choose_seed}
     for part in PARTS:
         items = items_of(part, args.choose_seed)
-        store = (args.stores / f"store-{part}") if args.stores else None
-        if store is None or not store.is_dir():
-            store = args.out / f"store-{part}"
-            if not store.is_dir():
-                build_eval_store(items, store, args.source, chunk_tokens=256)
+        store = part_store(part, items, args.source, args.stores, args.out)
         ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, translation_cache_mb=0)
         asm = ctx.assembler
         n_prefix = asm.prefix().num_tokens
