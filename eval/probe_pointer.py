@@ -39,7 +39,14 @@ from eval.harness import host_info  # noqa: E402
 PARTS = ("choose", "lookups", "codes")
 
 
-def items_of(part: str, choose_seed: int) -> list:
+def items_of(part: str, choose_seed: int, target: str = "", n_needles: int = 12) -> list:
+    """A part's items; "codes@L": `n_needles` code needles in L target tokens of one held-out essay, read whole
+    (`eval/diagnose_length.py`'s calibration material, seeds 300 + L)."""
+    if part.startswith("codes@"):
+        from cag.models import registry
+        from eval.diagnose_length import needles
+
+        return needles(int(part.split("@")[1]), n_needles, registry.load(target, "auto").tokenizer, material="codes")
     if part == "choose":
         from eval.calibration_lookup import calibration_lookup
 
@@ -68,16 +75,20 @@ def main(argv=None) -> int:
     ap.add_argument("--stores", type=Path, help="a calibrate_copy_prior.py OUT whose store-<part> folders to reuse")
     ap.add_argument("--top", type=int, default=8, help="how many of the choosing items' best heads to read")
     ap.add_argument("--choose-seed", type=int, default=5, help="calib-lookup seed of the items that rank the heads")
+    ap.add_argument("--needle-lengths", type=int, nargs="*", default=[], help="also read the heads on code needles "
+                    "at these lengths, the whole haystack placed (diagnosis, not ranking)")
+    ap.add_argument("--needles", type=int, default=12, help="code needles per length")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    parts = [*PARTS, *(f"codes@{n}" for n in args.needle_lengths)]
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
     done = {(r["part"], r["item"]): r for r in read_rows(rows_path)}
     meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
             "host": host_info().get("cpu", ""), "target": args.target, "method": args.method,
             "choose_seed": args.choose_seed}
-    for part in PARTS:
-        items = items_of(part, args.choose_seed)
+    for part in parts:
+        items = items_of(part, args.choose_seed, args.target, args.needles)
         store = part_store(part, items, args.source, args.stores, args.out)
         ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, translation_cache_mb=0)
         asm = ctx.assembler
@@ -90,8 +101,10 @@ def main(argv=None) -> int:
                     continue
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    # as `eval.harness.ItemRunner.hits_for`: an item that brings its own documents retrieves from them
-                    hits = ctx._order(ctx.retrieve(item.question, doc_ids=[d.id for d in item.documents] or None))
+                    # as `eval.harness.ItemRunner.hits_for`: a needle's haystack whole, in document order; an
+                    # item that brings its own documents retrieves from them
+                    hits = ctx.document_hits([d.id for d in item.documents]) if item.context == "all" else \
+                        ctx._order(ctx.retrieve(item.question, doc_ids=[d.id for d in item.documents] or None))
                     chunks, used = ctx._target_chunks(hits, Timings(), [])
                 texts = [h.text for h in used]
                 gold = gold_positions(chunks, texts, item.answers[0], n_prefix)
@@ -107,14 +120,14 @@ def main(argv=None) -> int:
                     f.write(json.dumps(row) + "\n")
                 done[(part, item.id)] = row
                 bar.advance(1)
-    by_part = {p: [r for r in done.values() if r["part"] == p] for p in PARTS}
+    by_part = {p: [r for r in done.values() if r["part"] == p] for p in parts}
     hits = {p: torch.tensor([r["hits"] for r in rows if r["in_context"]], dtype=torch.float32)
             for p, rows in by_part.items()}
     choose = hits["choose"].mean(0)
     order = torch.argsort(choose.flatten(), descending=True)[:args.top]
     chosen = [(int(i) // choose.shape[1], int(i) % choose.shape[1]) for i in order]
-    best = [{"layer": l, "head": h, **{p: round(float(hits[p][:, l, h].mean()), 3) for p in PARTS}}
-            for l, h in chosen]
+    best = [{"layer": l, "head": h, **{p: round(float(hits[p][:, l, h].mean()), 3) if len(hits[p]) else None
+                                        for p in parts}} for l, h in chosen]
     summary = {"run": meta, "n": {p: len(rows) for p, rows in by_part.items()},
                "answer_in_context": {p: sum(r["in_context"] for r in rows) for p, rows in by_part.items()},
                "mean_of_heads_hit": {p: sum(bool(r.get("mean_hit")) for r in rows) for p, rows in by_part.items()},
@@ -125,14 +138,15 @@ def main(argv=None) -> int:
              "| items | n | answer in the placed chunks | all heads' mean points at its first token |",
              "| --- | --- | --- | --- |"]
     names = {"choose": f"calib-lookup seed {args.choose_seed} (ranks the heads)", "lookups": "the gate's lookups",
-             "codes": "the gate's codes"}
+             "codes": "the gate's codes", **{f"codes@{n}": f"code needles in {n} tokens of one essay, whole"
+                                             for n in args.needle_lengths}}
     lines += [f"| {names[p]} | {summary['n'][p]} | {summary['answer_in_context'][p]} | "
-              f"{summary['mean_of_heads_hit'][p]} |" for p in PARTS]
+              f"{summary['mean_of_heads_hit'][p]} |" for p in parts]
     lines += ["", f"The best {args.top} heads on the first row's items; each cell: the share of items (answer in "
               "context) where the head's strongest context position, from the question's last token, is the "
-              "answer's first token.", "", "| layer | head | " + " | ".join(names[p] for p in PARTS) + " |",
-              "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {b['layer']} | {b['head']} | " + " | ".join(str(b[p]) for p in PARTS) + " |" for b in best]
+              "answer's first token.", "", "| layer | head | " + " | ".join(names[p] for p in parts) + " |",
+              "| --- | --- | " + " | ".join("---" for _ in parts) + " |"]
+    lines += [f"| {b['layer']} | {b['head']} | " + " | ".join(str(b[p]) for p in parts) + " |" for b in best]
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
