@@ -88,15 +88,17 @@ class TokenCopyPrior:
         return mixed(logits, self.continuations(generated) if self.weight > 0 else {}, self.weight, self.stop_ids)
 
 
-def pointer_first(ctx: CachedContext, question: str, hits, head: str) -> dict[str, float]:
-    """`cag.copy_prior.pointer_starts` of (layer, head) `head` ("16.7") over the translated chunks of `hits`."""
+def pointer_first(ctx: CachedContext, question: str, hits, head: str, top: int | None = None) -> dict[str, float]:
+    """`cag.copy_prior.pointer_starts` of (layer, head) `head` ("16.7") over the translated chunks of `hits`;
+    `top`: only the words the head looks at most (`--pointer-top 1`, a hard pointer: negative, not served)."""
     from cag.context import Timings
 
     layer, h = (int(x) for x in head.split("."))
     asm = ctx.assembler
     chunks, used = ctx._target_chunks(ctx._order(hits), Timings(), [])
-    return pointer_starts(asm, chunks, [u.text for u in used], asm.question_ids(question), layer, h,
-                          chat=asm.layout.chat)
+    starts = pointer_starts(asm, chunks, [u.text for u in used], asm.question_ids(question), layer, h,
+                            chat=asm.layout.chat)
+    return starts if top is None else dict(sorted(starts.items(), key=lambda kv: -kv[1])[:top])
 
 
 def part_items(part: str) -> list:
@@ -204,6 +206,8 @@ def main(argv=None) -> int:
                     "(eval/probe_pointer.py ranks the heads)")
     ap.add_argument("--pointer-weight", type=float, help="--pointer: the first token's weight (default: the "
                     "weight of the run's column)")
+    ap.add_argument("--pointer-top", type=int, help="--pointer: only the words the head looks at most (1: its "
+                    "strongest word alone)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a gate run's folder whose stores to reuse")
     ap.add_argument("--out", type=Path, required=True)
@@ -218,7 +222,7 @@ def main(argv=None) -> int:
         done[(r["part"], r["item"], r["path"])] = r
     meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
             "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars, "words": args.words,
-            "pointer": args.pointer, "pointer_weight": args.pointer_weight,
+            "pointer": args.pointer, "pointer_weight": args.pointer_weight, "pointer_top": args.pointer_top,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
     for part in args.parts:
@@ -242,7 +246,7 @@ def main(argv=None) -> int:
                     continue
                 hits = runner.hits_for(item)
                 context = [lm.tokenize(h.text)[0].tolist() for h in hits]
-                first = pointer_first(ctx, item.question, hits, args.pointer) if args.pointer else None
+                first = pointer_first(ctx, item.question, hits, args.pointer, args.pointer_top) if args.pointer else None
 
                 def prior(w: float):
                     if w == 0:
