@@ -14,8 +14,8 @@ as a pointer-generator network mixes copying and generating (See et al., 2017), 
 where the network learns a gate. The first answer token has no suffix yet: where a pointer head is calibrated
 for the target (`pointer_heads.json`, `eval/probe_pointer.py`), its copy distribution is where that head looks
 from the question's last token, at its own weight; else it is the model's alone, as is every token whose suffix
-occurs nowhere in the context. With one continuation, copying wins
-unless the model's favourite leads it by more than w / (1 − w) in probability.
+occurs nowhere in the context. With one continuation, copying wins unless the model's favourite leads it by
+more than w / (1 − w) in probability.
 
 Given `stop_ids`, the model keeps its own probability of ending the answer (else at w ≥ 0.5 a unique match
 copies on to the end of the budget), except where the answer stands inside a word that the context
@@ -214,8 +214,10 @@ def pointer_starts(assembler, chunks: Sequence[Any], texts: Sequence[str], quest
     mass, at, starts = mass[0], assembler.prefix().num_tokens, {}
     for chunk, text in zip(chunks, texts):
         for i, (a, _) in enumerate(chunk.offsets.tolist()):
+            if not (a == 0 or text[a].isspace() or text[a - 1].isspace()):
+                continue  # inside a word
             words = text[a:a + 65].split(maxsplit=1)
-            if words and (a == 0 or text[a].isspace() or text[a - 1].isspace()):
+            if words:
                 # The word alone spells the same first token (a tokenizer's pieces never cross a space), and
                 # a word met many times is tokenized once.
                 key = words[0] if chat else " " + words[0]

@@ -91,11 +91,11 @@ class TokenCopyPrior:
 def pointer_first(ctx: CachedContext, question: str, hits, head: str, top: int | None = None) -> dict[str, float]:
     """`cag.copy_prior.pointer_starts` of (layer, head) `head` ("16.7") over the translated chunks of `hits`;
     `top`: only the words the head looks at most (`--pointer-top 1`, a hard pointer: negative, not served)."""
-    from cag.context import Timings
+    from eval.diagnose_length import translated_chunks
 
     layer, h = (int(x) for x in head.split("."))
     asm = ctx.assembler
-    chunks, used = ctx._target_chunks(ctx._order(hits), Timings(), [])
+    chunks, used = translated_chunks(ctx, None, ctx._order(hits))  # as `CachedContext.prepare` places them
     starts = pointer_starts(asm, chunks, [u.text for u in used], asm.question_ids(question), layer, h,
                             chat=asm.layout.chat)
     return starts if top is None else dict(sorted(starts.items(), key=lambda kv: -kv[1])[:top])

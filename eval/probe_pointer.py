@@ -23,7 +23,6 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,10 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cag.context import CachedContext, Timings  # noqa: E402
+from cag.context import CachedContext  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from eval.calibrate_copy_prior import part_items, part_store, read_rows  # noqa: E402
-from eval.harness import host_info  # noqa: E402
+from eval.diagnose_length import translated_chunks  # noqa: E402
+from eval.harness import ItemRunner, host_info  # noqa: E402
 
 PARTS = ("choose", "lookups", "codes")
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         items = items_of(part, args.choose_seed, args.target, args.needles)
         store = part_store(part, items, args.source, args.stores, args.out)
         ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, translation_cache_mb=0)
-        asm = ctx.assembler
+        runner, asm = ItemRunner(ctx, {}), ctx.assembler
         n_prefix = asm.prefix().num_tokens
         meta["artifact"] = getattr(ctx.active_mapper, "artifact_id", args.method)
         with Progress(f"pointer: {part}", total=len(items), unit="items", interval_s=20) as bar:
@@ -99,13 +99,8 @@ def main(argv=None) -> int:
                 if (part, item.id) in done:
                     bar.advance(1)
                     continue
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    # as `eval.harness.ItemRunner.hits_for`: a needle's haystack whole, in document order; an
-                    # item that brings its own documents retrieves from them
-                    hits = ctx.document_hits([d.id for d in item.documents]) if item.context == "all" else \
-                        ctx._order(ctx.retrieve(item.question, doc_ids=[d.id for d in item.documents] or None))
-                    chunks, used = ctx._target_chunks(hits, Timings(), [])
+                # the chunks `cag eval` places for the item, in `CachedContext.prepare`'s order
+                chunks, used = translated_chunks(ctx, item, ctx._order(runner.hits_for(item)))
                 texts = [h.text for h in used]
                 gold = gold_positions(chunks, texts, item.answers[0], n_prefix)
                 row = {"part": part, "item": item.id, "answer": item.answers[0], "in_context": bool(gold)}
