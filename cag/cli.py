@@ -59,6 +59,12 @@ CopyPriorWeight = Annotated[float, typer.Option(
     "longest suffix in the placed chunks' text (0 <= w <= 1; cag.copy_prior, README 'Copy prior'). "
     "0 = the model alone.", min=0.0, max=1.0)]
 
+FocusTokens = Annotated[int | None, typer.Option(
+    "--focus-tokens", help="A plain translated path (no recompute) reads at most this many context tokens: the "
+    "chunks whose sentences the retriever finds closest to the question (README, 'Focus'). 0 reads every chunk. "
+    "Default: the target's calibrated budget (1024 for Qwen2.5, every chunk for Gemma-3 and uncalibrated "
+    "targets).", min=0, show_default=False)]
+
 RankKeyDecay = Annotated[float | None, typer.Option(
     help="Multiplies the keys of the chunk the retriever ranked i-th by this to the power i (0 < g <= 1; "
          "README, 'Chunk repair'). Default: the path's calibrated value (the target's on the native path, "
@@ -443,6 +449,7 @@ def query(
     translated_key_scale: TranslatedKeyScale = 1.0,
     rank_key_decay: RankKeyDecay = None,
     copy_prior: CopyPriorWeight = 0.0,
+    focus_tokens: FocusTokens = None,
     context_temperature: Annotated[float | None, typer.Option(
         help="APE: attention temperature over the placed context (default: the target's calibrated value on "
              "the native path, 1 on a translated one).", min=0.0, show_default=False)] = None,
@@ -473,7 +480,8 @@ def query(
                             recompute_select=recompute_select, min_retention=min_retention, fallback=fallback,
                             max_new_tokens=max_new_tokens, context_temperature=context_temperature,
                             context_scale=context_scale, translated_key_scale=translated_key_scale,
-                            rank_key_decay=rank_key_decay, copy_prior=copy_prior)
+                            rank_key_decay=rank_key_decay, copy_prior=copy_prior,
+                            translated_focus_tokens=focus_tokens)
     except ValidationError as e:
         raise _fail(str(e)) from None
     try:
@@ -642,6 +650,7 @@ def eval_cmd(
     copy_prior: Annotated[float, typer.Option(
         "--copy-prior", help="The translated conditions decode with this copy prior weight (cag.copy_prior); "
         "the native condition, their reference, and direct context never do.", min=0.0, max=1.0)] = 0.0,
+    focus_tokens: FocusTokens = None,
     dtype: Annotated[str | None, typer.Option(help="Storage format of the store built for the questions: "
                                               "int8 (default, as cag build), bfloat16 or float8_e4m3fn.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(
@@ -691,7 +700,8 @@ def eval_cmd(
                            top_k=top_k, max_new_tokens=max_new_tokens or prof["max_new_tokens"], command=command,
                            recompute_ratio=recompute, recompute_select=recompute_select, progress=True,
                            dtype=dtype, translated_key_scale=translated_key_scale,
-                           rank_key_decay=rank_key_decay, copy_prior=copy_prior)
+                           rank_key_decay=rank_key_decay, copy_prior=copy_prior,
+                           translated_focus_tokens=focus_tokens)
     except (registry.ModelError, ValueError, StoreError, ResumeMismatchError) as e:
         raise _fail(str(e)) from None
     if as_json:

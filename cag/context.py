@@ -52,7 +52,7 @@ class Timings:
     load: float = 0.0
     translate: float = 0.0
     assemble: float = 0.0
-    choose: float = 0.0  # choosing what to recompute outside the target (source model or retriever)
+    choose: float = 0.0  # choosing outside the target what to recompute, or which chunks a plain translated path reads
     recompute: float = 0.0  # the target's recompute forward (and, for its own choices, the choice)
     point: float = 0.0  # the copy prior's pointer head read over the placed context (cag.copy_prior)
     question_prefill: float = 0.0
@@ -216,6 +216,13 @@ class CachedContext(BaseModel):
                                      "cache finds a fact and misspells it. 0 = the model alone. None: the weight "
                                      "the served path was measured with (its gate record; 0 where none). "
                                      "Direct context never uses it.")
+    translated_focus_tokens: int | None = Field(None, ge=0, description="A plain translated path (no "
+                                                "recompute) reads at most this many context tokens: the "
+                                                "chunks whose best sentence the retriever finds most similar to "
+                                                "the question, the best one always (cag.selection.focus). "
+                                                "Translated keys lose lookups as the context grows (README, "
+                                                "'Focus'). 0 = every chunk. None: the target's calibrated "
+                                                "budget (cag/focus_tokens.json; every chunk where none).")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -457,14 +464,16 @@ class CachedContext(BaseModel):
         if not hits:
             notes.append("no chunks were retrieved for this question; answering without context")
         hits = self._order(hits)
-        chunks, used = self._target_chunks(hits, timings, notes)
-        question_ids = asm.question_ids(question)
-        reserve = question_ids.numel() + (max_new_tokens or self.max_new_tokens)
-        chunks, used = self._fit_window(chunks, used, reserve, notes)
         ratio, select, key_scale = self.recompute_ratio, self.recompute_select, self.translated_key_scale
         if repair is not None:  # the gate's +repair path: recompute and scale as it was measured
             ratio, select = float(repair["ratio"]), str(repair["select"])
             key_scale = float(repair.get("translated_key_scale", 1.0))
+        if mapper.method != "identity" and ratio == 0 and len(hits) > 1:
+            hits = self._focused(question, hits, lm, timings, notes)  # before translating: the rest is never read
+        chunks, used = self._target_chunks(hits, timings, notes)
+        question_ids = asm.question_ids(question)
+        reserve = question_ids.numel() + (max_new_tokens or self.max_new_tokens)
+        chunks, used = self._fit_window(chunks, used, reserve, notes)
         if mapper.method != "identity":
             # New chunks, never in place: the LRU keeps the mapper's plain translations.
             if ratio > 0:  # a +repair path serves the keys its artifact fitted on that path, if any
@@ -545,6 +554,34 @@ class CachedContext(BaseModel):
                                                copy_prior=prepared.copy_prior))
             yield from _timed(steps, answer, t0)
         return answer  # the generator's value: this stream's own Answer, whatever other threads did
+
+    def focus_budget(self) -> int:
+        """The plain translated path's context budget in target tokens: the field where set, else the target's
+        calibrated one (0: every chunk)."""
+        from cag.selection import focus_tokens
+
+        if self.translated_focus_tokens is not None:
+            return self.translated_focus_tokens
+        return focus_tokens(self._ready_target()[0].fingerprint.id)
+
+    def _focused(self, question: str, hits: list[Any], lm, timings: Timings, notes: list[str]) -> list[Any]:
+        """The hits a plain translated path reads: `cag.selection.focus` within `focus_budget`, in their order."""
+        from cag import selection
+
+        budget = self.focus_budget()
+        if budget == 0:
+            return hits
+        t = time.perf_counter()
+        sizes = [lm.tokenize(h.text)[0].numel() for h in hits]
+        _, index = self._current_view()
+        keep = selection.focus(index.embed, [h.text for h in hits], sizes, question, budget,
+                               sentence_vectors=[index.sentence_vectors(h.key) for h in hits])
+        timings.choose += time.perf_counter() - t
+        if len(keep) < len(hits):
+            notes.append(f"translated path: read {len(keep)} of {len(hits)} chunks ({sum(sizes[i] for i in keep)} "
+                         f"of {sum(sizes)} tokens), those whose sentences are closest to the question: translated "
+                         f"caches lose lookups over longer context (translated_focus_tokens={budget}; 0 reads all)")
+        return [hits[i] for i in keep]
 
     def _copy_prior(self, decision: GateDecision) -> float:
         """The copy prior's weight to decode with: the caller's, else the one the served path was measured with."""

@@ -27,6 +27,13 @@ them to ``cag/source_heads.json`` keyed by the source model's weight fingerprint
 the source score then averages those heads only (all heads for a model never
 calibrated).
 
+**Focus** (`focus`) uses the retriever's sentence scores the other way round: a plain
+translated path (no recompute) reads only the chunks whose best sentence is most similar
+to the question, within a budget of target tokens. Translated keys lose a lookup as the
+context grows, because the other chunks' keys drown the answer's (README, "Focus"). Leaving
+those chunks out removes their attention mass; damping their keys did not. The budget is
+calibrated per target (`focus_tokens`).
+
 The ``*_chunk`` variants choose whole **chunks** instead ("prefill the crux"): the
 best chunks by the same score (a chunk's best sentence for the source model, the
 index's own score for the retriever), whole, while they fit in the budget, and
@@ -50,20 +57,30 @@ from cag.kv import KVChunk
 from stores.chunker import sentence_spans  # the index embeds the same sentences at build
 
 NEUTRAL_QUESTION = "What is this text about?"
+# The plain translated path's context budget in target tokens per target, keyed by its weight fingerprint
+# (`CachedContext.translated_focus_tokens`; 0 reads every chunk): chosen on calibration code needles at 1K/2K/4K
+# in held-out lab essays (eval/results/focus/README.md). A target with no entry reads every chunk.
+FOCUS_FILE = Path(__file__).with_name("focus_tokens.json")
 HEADS_FILE = Path(__file__).with_name("source_heads.json")
 
 
 @lru_cache(maxsize=None)
-def _heads_file(path: Path) -> dict:
+def _json_file(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return {}
 
 
+def focus_tokens(fingerprint_id: str, path: Path | None = None) -> int:
+    """The calibrated focus budget of a target (`FOCUS_FILE`); 0, every chunk, where none was calibrated."""
+    entry = _json_file(path or FOCUS_FILE).get(fingerprint_id)
+    return int(entry["tokens"]) if entry else 0
+
+
 def retrieval_heads(fingerprint_id: str, path: Path | None = None) -> list[tuple[int, int]] | None:
     """The (layer, head) pairs calibrated to look up facts for this source model, or None (all heads)."""
-    entry = _heads_file(path or HEADS_FILE).get(fingerprint_id)
+    entry = _json_file(path or HEADS_FILE).get(fingerprint_id)
     if not entry or not entry.get("heads"):
         return None
     return [(int(layer), int(head)) for layer, head in entry["heads"]]
@@ -189,16 +206,33 @@ def source_guided_spans(source_assembler, source_chunks: Sequence[KVChunk], targ
     return _choose(target_chunks, texts, scores, budget_tokens)
 
 
-def _whole_chunks(target_chunks, texts, chunk_scores, budget_tokens) -> list[list[tuple[int, int]]]:
-    """The best chunks, whole, while they fit in `budget_tokens`; at least the best one."""
+def best_within(sizes: Sequence[int], chunk_scores: Sequence[float], budget_tokens: int) -> list[int]:
+    """Indices of the best-scoring chunks while their `sizes` fit in `budget_tokens`, in their given order;
+    at least the best one. Ties keep the given order."""
     chosen, used = set(), 0
-    for c in sorted(range(len(texts)), key=lambda c: -chunk_scores[c]):
-        size = target_chunks[c].num_tokens
-        if chosen and used + size > budget_tokens:
+    for c in sorted(range(len(sizes)), key=lambda c: -chunk_scores[c]):
+        if chosen and used + sizes[c] > budget_tokens:
             break
         chosen.add(c)
-        used += size
+        used += sizes[c]
+    return sorted(chosen)
+
+
+def _whole_chunks(target_chunks, texts, chunk_scores, budget_tokens) -> list[list[tuple[int, int]]]:
+    """The best chunks, whole, while they fit in `budget_tokens`; at least the best one."""
+    chosen = set(best_within([c.num_tokens for c in target_chunks], chunk_scores, budget_tokens))
     return [[(0, len(t))] if c in chosen and t else [] for c, t in enumerate(texts)]
+
+
+def focus(embed: Callable[[list[str]], torch.Tensor], texts: Sequence[str], sizes: Sequence[int], question: str,
+          budget_tokens: int, sentence_vectors: Sequence[np.ndarray | None] | None = None) -> list[int]:
+    """The chunks a plain translated path reads when `texts` exceed `budget_tokens` (`sizes`: their target
+    tokens): those whose best sentence is most similar to the question, while they fit, in their given order.
+    All of them when they fit already (no embedding call)."""
+    if sum(sizes) <= budget_tokens:
+        return list(range(len(texts)))
+    scores = retriever_sentence_scores(embed, texts, question, sentence_vectors)
+    return best_within(sizes, [max(s, default=float("-inf")) for s in scores], budget_tokens)
 
 
 @torch.inference_mode()

@@ -100,14 +100,14 @@ def _check_budget(finished: dict[tuple[str, str], dict], max_new_tokens: int, pa
                                       f"this run asks {max_new_tokens}. Use another --out, or delete the file to redo it.")
 
 
-def _check_copy_prior(finished: dict[tuple[str, str], dict], copy_prior: float, path: Path) -> None:
-    """A resumed run must decode its translated conditions with the same copy prior (rows from before it
-    existed decoded without one)."""
+def _check_setting(finished: dict[tuple[str, str], dict], name: str, value, before, path: Path) -> None:
+    """A resumed run must decode its translated conditions with the same `name` setting (`before`: what rows
+    from before the setting was recorded were measured with)."""
     for (item, target), row in finished.items():
-        recorded = row.get("copy_prior", 0.0)
-        if recorded != copy_prior:
-            raise ResumeMismatchError(f"{path} holds rows decoded with copy_prior = {recorded} ({item}, {target}); "
-                                      f"this run asks {copy_prior}. Use another --out, or delete the file to redo it.")
+        recorded = row.get(name, before)
+        if recorded != value:
+            raise ResumeMismatchError(f"{path} holds rows measured with {name} = {recorded} ({item}, {target}); "
+                                      f"this run asks {value}. Use another --out, or delete the file to redo it.")
 
 
 def _check_resumable(done: dict[tuple[str, str], dict[str, str]], target: str, mappers: dict[str, str],
@@ -135,7 +135,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
              recompute_ratio: float = 0.0, recompute_select: str = "deviation", command: str = "",
              progress: bool = False, prefill_rate_tokens: int = 1024, dtype: str | None = None,
              translated_key_scale: float = 1.0, rank_key_decay: float | None = None,
-             copy_prior: float = 0.0, plots: bool = True) -> dict[str, Any]:
+             copy_prior: float = 0.0, translated_focus_tokens: int | None = None,
+             plots: bool = True) -> dict[str, Any]:
     """Every condition on every (question, target) not yet in ``out_dir/results.jsonl``; the summary.
 
     `plots`: also draw retention.png and ttft.png (a caller with a table of its own, the gate, leaves them out).
@@ -149,6 +150,9 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
 
     `copy_prior`: `CachedContext.copy_prior` of the translated conditions (never the native one, the
     reference they are compared with, nor direct context).
+
+    `translated_focus_tokens`: `CachedContext.translated_focus_tokens` of the translated conditions (None: each
+    target's calibrated budget, recorded per row as `focus_budget`; the native condition reads every chunk).
 
     `rank_key_decay`: `CachedContext.rank_key_decay` of every cached condition; None serves
     each path's calibrated default (the target's on the native path, the mapper card's on a translated one).
@@ -166,7 +170,9 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
     # Refuse a mismatched resume before the store build, which costs minutes.
     finished = _finished_rows(results_path)
     _check_budget(finished, max_new_tokens, results_path)
-    _check_copy_prior(finished, copy_prior, results_path)
+    _check_setting(finished, "copy_prior", copy_prior, 0.0, results_path)
+    # None: each target's calibrated budget (`CachedContext.focus_budget`), recorded per row
+    _check_setting(finished, "focus_tokens", translated_focus_tokens, None, results_path)
     _check_items(finished, items, results_path)
     done = {key: row.get("mappers", {}) for key, row in finished.items()}
     built = store is None
@@ -196,7 +202,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
             contexts: dict[str, CachedContext] = {}
             for method in methods:
                 ctx = CachedContext(mapper=method, translated_key_scale=translated_key_scale, copy_prior=copy_prior,
-                                    **settings)
+                                    translated_focus_tokens=translated_focus_tokens, **settings)
                 try:
                     label = condition_label(method, ctx.active_mapper)
                 except (MapperNotFoundError, ValueError) as exc:
@@ -207,6 +213,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                        if getattr(ctx.active_mapper, "artifact_id", None)}
             _check_resumable(done, target, mappers, results_path)
             runner = ItemRunner(base, contexts, max_new_tokens=max_new_tokens)
+            # what the translated conditions read: the caller's budget, else the target's calibrated one
+            budget = base.focus_budget() if translated_focus_tokens is None else translated_focus_tokens
             for item in items:
                 if (item.id, target) in done:
                     continue
@@ -217,6 +225,8 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                        "meta": dict(item.meta), "question": item.question,
                        "answers": list(item.answers), "mappers": mappers, "max_new_tokens": max_new_tokens,
                        **({"copy_prior": copy_prior} if copy_prior else {}),
+                       **({"focus_tokens": translated_focus_tokens} if translated_focus_tokens is not None else {}),
+                       "focus_budget": budget,
                        "results": {k: v.to_dict() for k, v in results.items()}}
                 with open(results_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
@@ -232,7 +242,7 @@ def run_eval(items: Sequence[Any], out_dir: Path, *, store: Path | None = None, 
                       "targets": list(targets), "methods": list(methods), "top_k": top_k,
                       "recompute_ratio": recompute_ratio, "recompute_select": recompute_select,
                       "translated_key_scale": translated_key_scale, "rank_key_decay": rank_key_decay,
-                      "copy_prior": copy_prior,
+                      "copy_prior": copy_prior, "translated_focus_tokens": translated_focus_tokens,
                       "rank_key_decay_native": decays,
                       "max_new_tokens": max_new_tokens, "chunk_tokens": chunk_tokens,
                       "dtype": dtype if built else store_dtype(store)}

@@ -149,17 +149,26 @@ def test_the_served_path_decodes_with_the_copy_prior_it_was_measured_with(kb):
     assert ctx_for(kb)._copy_prior(GateDecision("direct", PathFidelity("direct"), "", ())) == 0.0
 
 
-def test_a_pointer_head_starts_the_translated_paths_copy_prior(tmp_path, monkeypatch):
-    import cag.copy_prior
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A store built by a tiny Qwen2, a tiny Llama to answer, and a ridge mapper between them."""
     from mappers.fit import fit_mapper
     from tests.mappers.conftest import TEXTS
 
-    small, large = saved(tmp_path, "qwen2"), saved(tmp_path, "llama")
+    root = tmp_path_factory.mktemp("pair")
+    small, large = saved(root, "qwen2"), saved(root, "llama")
     small_lm, large_lm = registry.load(str(small), "float32"), registry.load(str(large), "float32")
-    build_store([(f"doc{i}", doc(i, paragraphs=2)) for i in range(4)], tmp_path / "store", small_lm,
+    build_store([(f"doc{i}", doc(i, paragraphs=2)) for i in range(4)], root / "store", small_lm,
                 chunk_tokens=32, embedder=HashEmbedder())
-    fit_mapper(small_lm, large_lm, "ridge", TEXTS, tmp_path / "mapper", progress=False, fidelity_texts=2,
+    fit_mapper(small_lm, large_lm, "ridge", TEXTS, root / "mapper", progress=False, fidelity_texts=2,
                batch_size=4)
+    return root, small, large
+
+
+def test_a_pointer_head_starts_the_translated_paths_copy_prior(pair, monkeypatch):
+    import cag.copy_prior
+
+    tmp_path, small, large = pair
 
     def prepared(target, mapper):
         ctx = CachedContext(store=tmp_path / "store", target=str(target), mapper=mapper, embedder=HashEmbedder(),
@@ -174,3 +183,45 @@ def test_a_pointer_head_starts_the_translated_paths_copy_prior(tmp_path, monkeyp
     assert 0 < sum(prior._first.values()) <= 1 + 1e-5          # a share of one head's attention
     native = prepared(small, "identity")                       # the target's own chunks start right: no pointer
     assert native.copy_prior._first == {} and native.answer.timings.point == 0
+
+
+def test_the_plain_translated_path_reads_the_chunks_closest_to_the_question_within_its_budget(pair):
+    root, small, large = pair
+
+    def ctx(target, mapper, **kw):
+        return CachedContext(store=root / "store", target=str(target), mapper=mapper, embedder=HashEmbedder(),
+                             dtype="float32", max_new_tokens=4, top_k=4, min_retention=0.0, **kw)
+
+    translated = ctx(large, str(root / "mapper"))
+    question = "tower of Velmora"
+    hits = translated.retrieve(question)
+    sizes = [translated.target_model.tokenize(h.text)[0].numel() for h in hits]
+    assert len(hits) == 4 and translated.focus_budget() == 0  # no budget calibrated for this target: every chunk
+    whole = translated.prepare(question, hits)
+    assert len(whole.answer.sources) == 4 and not any("read" in w for w in whole.answer.warnings)
+    roomy = ctx(large, str(root / "mapper"), translated_focus_tokens=sum(sizes)).prepare(question, hits)
+    assert len(roomy.answer.sources) == 4 and roomy.answer.warnings == whole.answer.warnings  # it fits: all read
+
+    budget = max(sizes) + min(sizes) - 1                      # room for one chunk, or two small ones at most
+    focused = ctx(large, str(root / "mapper"), translated_focus_tokens=budget).prepare(question, hits)
+    kept = focused.answer.sources
+    assert 1 <= len(kept) < 4 and sum(sizes[hits.index(h)] for h in kept) <= max(budget, max(sizes))
+    assert focused.answer.context_tokens < whole.answer.context_tokens
+    assert any(f"read {len(kept)} of 4 chunks" in w for w in focused.answer.warnings)
+    best = max(range(4), key=lambda i: max(ctx_scores(translated, question, hits)[i]))
+    assert hits[best].key in {h.key for h in kept}            # the chunk with the closest sentence is read
+
+    off = ctx(large, str(root / "mapper"), translated_focus_tokens=0).prepare(question, hits)
+    assert len(off.answer.sources) == 4                       # 0: every chunk
+    crux = ctx(large, str(root / "mapper"), translated_focus_tokens=budget, recompute_ratio=0.2,
+               recompute_select="retriever").prepare(question, hits)
+    assert len(crux.answer.sources) == 4                      # a recompute reads every chunk: not the plain path
+    native = ctx(small, "identity", translated_focus_tokens=budget).prepare(question, hits)
+    assert len(native.answer.sources) == 4                    # the target's own chunks: never focused
+
+
+def ctx_scores(ctx, question, hits):
+    from cag import selection
+
+    _, index = ctx._current_view()
+    return selection.retriever_sentence_scores(index.embed, [h.text for h in hits], question)

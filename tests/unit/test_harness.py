@@ -147,6 +147,28 @@ def test_a_resumed_run_refuses_rows_generated_with_another_token_budget(setup, t
     assert len(path.read_text().splitlines()) == 2  # nothing was mixed in
 
 
+def test_a_resumed_run_refuses_rows_read_with_another_focus_budget(setup, tmp_path):
+    import json
+
+    root, model, items = setup
+    out = tmp_path / "focus"
+    kw = _small_run(model)
+    summary = run_eval(items[:1], out, **kw)
+    path = out / "results.jsonl"
+    row = json.loads(path.read_text())
+    assert "focus_tokens" not in row and row["focus_budget"] == 0   # the target's own: none calibrated, every chunk
+    assert summary["run"]["translated_focus_tokens"] is None
+    run_eval(items[:2], out, store=out / "store", **kw)  # the same setting: resumes
+    assert len(path.read_text().splitlines()) == 2
+    with pytest.raises(RuntimeError, match="focus_tokens = None .*asks 512.*Use another --out"):
+        run_eval(items[:3], out, store=out / "store", translated_focus_tokens=512, **kw)
+    assert len(path.read_text().splitlines()) == 2  # nothing was mixed in
+    other = tmp_path / "focus512"
+    run_eval(items[:1], other, store=out / "store", translated_focus_tokens=512, **kw)
+    row = json.loads((other / "results.jsonl").read_text())
+    assert row["focus_tokens"] == 512 == row["focus_budget"]
+
+
 def test_a_resumed_run_refuses_rows_of_another_item_under_the_same_id(setup, tmp_path):
     import dataclasses
     import json

@@ -298,3 +298,31 @@ def test_source_retriever_spans_take_the_sentence_both_point_at():
     fused = selection.source_retriever_spans(fake, [chunk], [chunk], [DOC], "How many maps?", 7, embed)
     assert fused == [[spans[1]]]  # 1st for the source and 2nd for the retriever beats 4th and 1st
     assert selection.source_retriever_spans(fake, [chunk], [chunk], [""], "q?", 7, embed) == [[]]
+
+
+def test_focus_keeps_every_chunk_that_fits_and_otherwise_the_closest_ones_in_their_order():
+    calls = []
+
+    def embed(texts):  # one dimension per keyword (and a constant, so no vector is zero)
+        calls.append(list(texts))
+        return torch.tensor([[t.lower().count(w) for w in ("zorblat", "harbour", "short")] + [0.01] for t in texts],
+                            dtype=torch.float32)
+    texts, q = [OTHER, DOC, "Short one."], "Where does Zorblat keep maps?"
+    sizes = [30, 40, 5]
+    assert selection.focus(embed, texts, sizes, q, budget_tokens=75) == [0, 1, 2] and not calls  # fits: no embedding
+    assert selection.focus(embed, texts, sizes, q, budget_tokens=74) == [0, 1]  # DOC, then the tie in given order
+    assert selection.focus(embed, texts, sizes, q, budget_tokens=45) == [1]     # stops at the first misfit
+    assert selection.focus(embed, texts, sizes, q, budget_tokens=10) == [1]     # the best one always
+    assert selection.best_within([30, 40, 5], [0.1, 0.9, 0.5], 70) == [1, 2]
+
+
+def test_the_focus_budget_is_the_targets_calibrated_one_and_every_chunk_elsewhere(tmp_path):
+    import json
+
+    entries = json.loads(selection.FOCUS_FILE.read_text())
+    assert {e["model"]: e["tokens"] for e in entries.values()} == {"qwen2.5-0.5b": 1024, "gemma3-270m": 0}
+    assert all(selection.focus_tokens(fp) == e["tokens"] for fp, e in entries.items())
+    assert selection.focus_tokens("0" * 20) == 0                              # never calibrated: every chunk
+    own = tmp_path / "focus.json"
+    own.write_text(json.dumps({"abc": {"tokens": 300}}))
+    assert selection.focus_tokens("abc", own) == 300
