@@ -53,8 +53,7 @@ class TextCopyPrior:
 
     def __init__(self, texts: Sequence[str], tokenizer: Any, weight: float, *, min_chars: int = 2,
                  max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code",
-                 first: dict[str, float] | None = None, first_weight: float | None = None,
-                 snap: int = 0) -> None:
+                 first: dict[str, float] | None = None, first_weight: float | None = None) -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
         if not 1 <= min_chars <= max_chars:
@@ -73,15 +72,11 @@ class TextCopyPrior:
         self.first_weight = self.weight if first_weight is None else float(first_weight)
         self._first: dict[int, float] = {}
         starts = [(text, w) for text, w in (first or {}).items() if w > 0]
-        # `snap`: the pointer's `snap` strongest words, each with its first token (see `_snapped`)
-        self.snap, self._strongest = int(snap), []
         if starts:  # one batched call: a 4K context has thousands of word starts, read before the first token
             encoded = tokenizer([text for text, _ in starts], add_special_tokens=False)["input_ids"]
             for ids, (_, w) in zip(encoded, starts):
                 if ids:
                     self._first[ids[0]] = self._first.get(ids[0], 0.0) + float(w)
-            ranked = sorted(zip(starts, encoded), key=lambda x: -x[0][1])
-            self._strongest = [(text.strip(), ids[0]) for (text, _), ids in ranked if ids]
 
     def continuations(self, generated: Sequence[int]) -> dict[int, int]:
         """The tokens that start what follows the answer's longest suffix in the chunks' text, with counts."""
@@ -123,28 +118,11 @@ class TextCopyPrior:
         if self.weight <= 0:
             return logits
         if not generated:
-            return self._snapped(mixed(logits, self._first, self.first_weight, self.stop_ids))
+            return mixed(logits, self._first, self.first_weight, self.stop_ids)
         following, mid_word = self._follow(generated)
         # An answer copied from the context does not end inside one of its words ("Quolubo" of "Quolubou"):
         # there the model's wish to stop is mixed like any other token's.
         return mixed(logits, following, self.weight, () if mid_word else self.stop_ids)
-
-    def _snapped(self, log_probs: torch.Tensor) -> torch.Tensor:
-        """The first token's log-probabilities, where the favourite is spelled inside (not at the start of) one
-        of the pointer's `snap` strongest words given with the head's mass, swapped with that word's first token
-        ("2" inside "amber-quartz-28." → "amber"): a translated cache often starts a code at its digits."""
-        if self.snap <= 0 or not self._strongest:
-            return log_probs
-        best = int(log_probs.argmax())
-        spelled = self._tokenizer.decode([best], skip_special_tokens=True).strip()
-        if not spelled:
-            return log_probs
-        for word, start in self._strongest[:self.snap]:
-            if start != best and not word.startswith(spelled) and spelled in word[1:]:
-                out = log_probs.clone()
-                out[best], out[start] = log_probs[start], log_probs[best]
-                return out
-        return log_probs
 
 
 def _letters_go_on(last: str, rest: str) -> bool:

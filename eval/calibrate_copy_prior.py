@@ -208,8 +208,6 @@ def main(argv=None) -> int:
                     "weight of the run's column)")
     ap.add_argument("--pointer-top", type=int, help="--pointer: only the words the head looks at most (1: its "
                     "strongest word alone)")
-    ap.add_argument("--snap", type=int, default=0, help="--pointer: a first token spelled inside one of the head's "
-                    "SNAP strongest words is swapped with that word's first token (TextCopyPrior.snap)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a gate run's folder whose stores to reuse")
     ap.add_argument("--out", type=Path, required=True)
@@ -225,7 +223,6 @@ def main(argv=None) -> int:
     meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
             "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars, "words": args.words,
             "pointer": args.pointer, "pointer_weight": args.pointer_weight, "pointer_top": args.pointer_top,
-            "snap": args.snap,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
     for part in args.parts:
@@ -258,7 +255,7 @@ def main(argv=None) -> int:
                     if args.unit == "text":
                         return TextCopyPrior([h.text for h in hits], lm.tokenizer, w, min_chars=args.min_chars,
                                              stop_ids=ends, words=args.words, first=first,
-                                             first_weight=args.pointer_weight, snap=args.snap)
+                                             first_weight=args.pointer_weight)
                     return TokenCopyPrior(context, w, stop_ids=ends)
                 for path in todo:
                     with warnings.catch_warnings():

@@ -71,14 +71,12 @@ def chunk_scores(scores: list[list[float]]) -> list[float]:
     return [max(s, default=float("-inf")) for s in scores]
 
 
-def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, snap: int = 0) -> dict:
+def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float) -> dict:
     lm = runner.lm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prepared = ctx.prepare(item.question, hits, max_new_tokens=runner.max_new_tokens, with_question=True,
                                copy_prior=weight)
-    if snap and prepared.copy_prior is not None:
-        prepared.copy_prior.snap = snap  # an experiment on the served prior: `TextCopyPrior.snap`
     gen = generate(lm.model, lm.tokenizer, copy.deepcopy(prepared.cache), prepared.question_ids,
                    max_new_tokens=runner.max_new_tokens, stop_ids=stop_token_ids(lm.tokenizer),
                    first_logits=prepared.first_logits, copy_prior=prepared.copy_prior)
@@ -86,20 +84,19 @@ def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, sn
             "f1": metrics.token_f1(gen.text, item.answers), "context_tokens": prepared.answer.context_tokens}
 
 
-def variants(scorers: list[str], keep: list[int], budgets: list[int], snap: int = 0) -> list[str]:
-    names = ["all", *(f"{s}@{m}" for s in scorers for m in keep), *(f"{s}<={b}" for s in scorers for b in budgets)]
-    return [v for n in names for v in ([n, n + "+snap"] if snap else [n])]
+def variants(scorers: list[str], keep: list[int], budgets: list[int]) -> list[str]:
+    return ["all", *(f"{s}@{m}" for s in scorers for m in keep), *(f"{s}<={b}" for s in scorers for b in budgets)]
 
 
 def summarize(rows: list[dict], parts: list[str], scorers: list[str], keep: list[int],
-              budgets: list[int], snap: int = 0) -> list[dict]:
+              budgets: list[int]) -> list[dict]:
     table = []
     for part in parts:
         mine = [r for r in rows if r["part"] == part]
         if not mine:
             continue
         base = [r["by_variant"]["all"] for r in mine]
-        for v in variants(scorers, keep, budgets, snap):
+        for v in variants(scorers, keep, budgets):
             got = [r["by_variant"][v] for r in mine]
             line = {"part": part, "variant": v, "n": len(mine), "found": int(sum(g["found"] for g in got)),
                     "f1": round(sum(g["f1"] for g in got) / len(got), 4),
@@ -146,8 +143,6 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int, nargs="*", default=[], help="also: the best chunks within this many "
                     "target tokens (the best one always)")
     ap.add_argument("--copy-prior", type=float, default=0.5)
-    ap.add_argument("--snap", type=int, default=0, help="also: each variant's prior with TextCopyPrior.snap = SNAP "
-                    "(variants named ...+snap)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a calibrate_copy_prior.py OUT whose store-<part> to reuse")
     ap.add_argument("--needle-stores", type=Path, help="a probe_pointer.py OUT whose store-codes@L to reuse")
@@ -160,7 +155,7 @@ def main(argv=None) -> int:
     meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
             "host": host_info().get("cpu", ""), "target": args.target, "method": args.method,
             "copy_prior": args.copy_prior, "max_new_tokens": args.max_new_tokens, "scorers": args.scorers,
-            "keep": args.keep, "budgets": args.budgets, "snap": args.snap}
+            "keep": args.keep, "budgets": args.budgets}
     for part in parts:
         items = items_of(part, 0, args.target, args.needles)
         stores = args.needle_stores if part.startswith("codes@") else args.stores
@@ -180,8 +175,6 @@ def main(argv=None) -> int:
                 row = {"part": part, "item": item.id, "answers": list(item.answers), "chunks": len(used),
                        "gold_chunks": holds, "gold_rank": {}, "by_variant": {}}
                 row["by_variant"]["all"] = answer(runner, ctx, item, used, args.copy_prior)
-                if args.snap:
-                    row["by_variant"]["all+snap"] = answer(runner, ctx, item, used, args.copy_prior, args.snap)
                 sizes = [runner.lm.tokenize(h.text)[0].numel() for h in used]
                 for scorer in args.scorers:
                     best = chunk_scores(sentence_scores(ctx, item.question, used, scorer))
@@ -192,15 +185,12 @@ def main(argv=None) -> int:
                     for name, keep in chosen.items():
                         kept = [used[i] for i in sorted(keep)]
                         row["by_variant"][name] = answer(runner, ctx, item, kept, args.copy_prior)
-                        if args.snap:
-                            row["by_variant"][name + "+snap"] = answer(runner, ctx, item, kept, args.copy_prior,
-                                                                       args.snap)
                 with open(rows_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
                 done[(part, item.id)] = row
                 bar.advance(1)
     rows = [r for r in done.values() if r["part"] in parts]
-    table = summarize(rows, parts, args.scorers, args.keep, args.budgets, args.snap)
+    table = summarize(rows, parts, args.scorers, args.keep, args.budgets)
     (args.out / "summary.json").write_text(json.dumps({"run": meta, "table": table}, indent=1) + "\n")
     (args.out / "summary.md").write_text(render(table, meta))
     print(render(table, meta))

@@ -133,28 +133,6 @@ def test_a_pointer_starts_the_answer_where_the_text_it_points_at_starts(tiny):
     assert torch.equal(plain(logits, []), logits)             # no pointer: the first token is the model's
 
 
-def test_snap_moves_a_first_token_spelled_inside_the_pointers_word_to_that_words_start(tiny):
-    from cag.copy_prior import TextCopyPrior
-
-    tok = tiny.tokenizer
-    text = "The passphrase is amber-quartz-28. Nobody knows 2005."
-    first = {"amber-quartz-28.": 0.7, "2005.": 0.1}
-    amber = tok("amber-quartz-28.", add_special_tokens=False)["input_ids"][0]
-    two = tok("28", add_special_tokens=False)["input_ids"][0]
-    assert tok.decode([two]).strip() in "amber-quartz-28."[1:] and two != amber
-    logits = torch.full((len(tok),), -10.0)
-    logits[two] = 10.0                                        # the model starts the code at its digits
-    plain = TextCopyPrior([text], tok, 0.5, first=first, first_weight=0.4)
-    assert int(plain(logits, []).argmax()) == two              # the mixture alone keeps the model's favourite
-    snapped = TextCopyPrior([text], tok, 0.5, first=first, first_weight=0.4, snap=1)
-    out = snapped(logits, [])
-    assert int(out.argmax()) == amber                          # ...snap starts it at the word's start
-    assert math.isclose(float(out[amber]), float(plain(logits, [])[two]), rel_tol=1e-6)  # a swap, not a boost
-    logits[two], logits[amber] = -10.0, 10.0
-    assert torch.equal(snapped(logits, []), plain(logits, []))  # the word's own start: nothing to move
-    assert torch.equal(snapped(logits, [amber]), plain(logits, [amber]))  # the first token only
-
-
 def test_pointer_starts_weigh_the_words_a_head_attends_to(tiny):
     from cag.assembler import Assembler
     from cag.copy_prior import pointer_starts
