@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 def test_the_translated_path_reads_the_needles_chunks_and_copies_the_code(tmp_path):
     item = needles(4096, 12, registry.load("qwen2.5-0.5b", "auto").tokenizer, material="codes")[7]
-    assert item.answers == ["JPT9W"]               # calibration material: a held-out lab essay, never evaluated
+    assert list(item.answers) == ["JPT9W"]         # calibration material: a held-out lab essay, never evaluated
     build_eval_store([item], tmp_path / "store", "smollm2-135m", chunk_tokens=256)
     answers = {}
     for budget in (0, None):                       # every chunk, then the calibrated budget
