@@ -121,6 +121,19 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def append_row(path: Path, row: dict) -> None:
+    """One finished row, appended as soon as it is done: a stopped run resumes from `read_rows`."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def write_summary(out: Path, run: dict, table: list[dict], text: str) -> None:
+    """OUT/summary.json (the run and its table), OUT/summary.md (`text`), and `text` on stdout."""
+    (out / "summary.json").write_text(json.dumps({"run": run, "table": table}, indent=1) + "\n")
+    (out / "summary.md").write_text(text)
+    print(text)
+
+
 def part_store(part: str, items: list, source: str, stores: Path | None, out: Path) -> Path:
     """The SmolLM2 store of one part's items: a gate run's (`source-<model>[-copy|-essays]`) or another run
     of these scripts' (`store-<part>`) under `stores`, else built once in `out`."""
@@ -267,15 +280,12 @@ def main(argv=None) -> int:
                                  for w in weights}
                     row = {"part": part, "item": item.id, "path": path, "answers": list(item.answers),
                            "by_weight": by_weight}
-                    with open(rows_path, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(row) + "\n")
+                    append_row(rows_path, row)
                     done[(part, item.id, path)] = row
                     bar.advance(1)
     rows = [r for r in done.values() if r["part"] in args.parts]
     table = summarize(rows, weights)
-    (args.out / "summary.json").write_text(json.dumps({"run": meta, "table": table}, indent=1) + "\n")
-    (args.out / "summary.md").write_text(render(table, meta))
-    print(render(table, meta))
+    write_summary(args.out, meta, table, render(table, meta))
     return 0
 
 

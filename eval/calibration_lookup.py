@@ -292,5 +292,42 @@ def calibration_code_needles(*, seed: int = 0, n: int = 12, words: int = 700,
                             make_value=make_value)
 
 
+# Codes made of common words and a number, joined by hyphens (diceware-style keys: "maple-sparrow-62"). A
+# translated cache into Qwen2.5 starts such a code at its number (README, "Focus"); the code needles above are
+# letters, digits and invented words. Own templates and word list: none is an evaluation template or needle word
+# (tested).
+_WORD_CODE_FACTS = {
+    "wifi": (["Guests at {s} join the wireless network with the key {V}.", "The wireless key of {s} is {V}."],
+             "Which key joins the wireless network at {s}?"),
+    "booking": (["Tours of {s} are booked under the reference {V}.", "The booking reference of {s} is {V}."],
+                "Under which reference are tours of {s} booked?"),
+    "logbook": (["The night crew of {s} signs its logbook with {V}.", "{S} signs its logbook with {V}."],
+                "With what does the night crew of {s} sign its logbook?"),
+}
+_CODE_WORDS = ["river", "pepper", "granite", "sparrow", "maple", "canyon", "lemon", "thistle", "beacon", "walnut",
+               "crimson", "glacier", "hazel", "pebble", "cedar", "otter", "prism", "harvest", "cobble", "heron"]
+
+
+def _word_code(rng: random.Random) -> str:
+    first, second = rng.sample(_CODE_WORDS, 2)
+    number = str(rng.randint(10, 99))
+    return rng.choice((f"{first}-{second}-{number}", f"{first}-{number}-{second}", f"{number}-{first}-{second}"))
+
+
+def calibration_word_code_needles(*, seed: int = 0, n: int = 12, words: int = 700,
+                                  essays: list[str] | None = None) -> list[QAItem]:
+    """Like `calibration_code_needles`, with codes of two common words and a number (see `_WORD_CODE_FACTS`)."""
+    formats = list(_WORD_CODE_FACTS)
+
+    def make_value(fact, rng, names):
+        value = _word_code(rng)
+        return value, (value,)
+
+    return _planted_needles(f"{DATASET}-word-code-needle", "calib-word-code-needle", seed=seed, n=n, words=words,
+                            essays=essays, facts=_WORD_CODE_FACTS,
+                            pick_fact=lambda k, kind, rng: formats[k % len(formats)], make_value=make_value)
+
+
 # What a calibration needle asks for → the function that makes it (`eval/diagnose_length.py --material`).
-NEEDLE_MATERIALS = {"facts": calibration_needles, "codes": calibration_code_needles}
+NEEDLE_MATERIALS = {"facts": calibration_needles, "codes": calibration_code_needles,
+                    "wordcodes": calibration_word_code_needles}

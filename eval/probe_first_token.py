@@ -36,7 +36,7 @@ from cag.copy_prior import _spellings  # noqa: E402
 from cag.generate import last_logits  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from cag.selection import retriever_sentence_scores  # noqa: E402
-from eval.calibrate_copy_prior import PARTS, part_items, part_store, read_rows  # noqa: E402
+from eval.calibrate_copy_prior import PARTS, append_row, part_items, part_store, read_rows  # noqa: E402
 from eval.harness import ItemRunner, host_info  # noqa: E402
 from stores.chunker import sentence_spans  # noqa: E402
 
@@ -120,8 +120,7 @@ def main(argv=None) -> int:
                        "rank_context_words": rank_within(logits, gold, in_context),
                        "rank_top_sentences": rank_within(logits, gold, in_top),
                        "context_words": len(in_context), "top_sentence_words": len(in_top)}
-                with open(rows_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)
     lines = [f"# The translated path's first answer token ({args.target}, {args.method} {meta.get('artifact', '')})",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 import warnings
@@ -41,7 +40,7 @@ from cag.generate import generate, stop_token_ids  # noqa: E402
 from cag.kv import KVChunk  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from eval import metrics  # noqa: E402
-from eval.calibrate_copy_prior import part_store, read_rows  # noqa: E402
+from eval.calibrate_copy_prior import append_row, part_store, read_rows, write_summary  # noqa: E402
 from eval.eval_chunk_dtype import paired_delta  # noqa: E402
 from eval.harness import ItemRunner, host_info  # noqa: E402
 from eval.probe_pointer import items_of  # noqa: E402
@@ -137,7 +136,9 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="bottleneck")
     ap.add_argument("--parts", nargs="*", default=["lookups", "codes", "essays"])
     ap.add_argument("--needle-lengths", type=int, nargs="*", default=[1024, 4096])
-    ap.add_argument("--needles", type=int, default=12, help="code needles per length")
+    ap.add_argument("--needles", type=int, default=12, help="needles per length")
+    ap.add_argument("--material", default="codes", help="what the needles ask for: codes or wordcodes "
+                    "(eval.calibration_lookup.NEEDLE_MATERIALS)")
     ap.add_argument("--scorers", nargs="+", choices=SCORERS, default=list(SCORERS))
     ap.add_argument("--keep", type=int, nargs="*", default=[1, 2], help="how many of the best chunks to place")
     ap.add_argument("--budgets", type=int, nargs="*", default=[], help="also: the best chunks within this many "
@@ -145,10 +146,11 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-prior", type=float, default=0.5)
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a calibrate_copy_prior.py OUT whose store-<part> to reuse")
-    ap.add_argument("--needle-stores", type=Path, help="a probe_pointer.py OUT whose store-codes@L to reuse")
+    ap.add_argument("--needle-stores", type=Path, help="a probe_pointer.py or probe_focus.py OUT whose "
+                    "store-MATERIAL@L to reuse")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    parts = [*args.parts, *(f"codes@{n}" for n in args.needle_lengths)]
+    parts = [*args.parts, *(f"{args.material}@{n}" for n in args.needle_lengths)]
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
     done = {(r["part"], r["item"]): r for r in read_rows(rows_path)}
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
             "keep": args.keep, "budgets": args.budgets}
     for part in parts:
         items = items_of(part, 0, args.target, args.needles)
-        stores = args.needle_stores if part.startswith("codes@") else args.stores
+        stores = args.needle_stores if "@" in part else args.stores
         store = part_store(part, items, args.source, stores, args.out)
         # translated_focus_tokens=0: the query path places what it is given; this script chooses the chunks
         ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, translation_cache_mb=0,
@@ -185,15 +187,12 @@ def main(argv=None) -> int:
                     for name, keep in chosen.items():
                         kept = [used[i] for i in sorted(keep)]
                         row["by_variant"][name] = answer(runner, ctx, item, kept, args.copy_prior)
-                with open(rows_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)
     rows = [r for r in done.values() if r["part"] in parts]
     table = summarize(rows, parts, args.scorers, args.keep, args.budgets)
-    (args.out / "summary.json").write_text(json.dumps({"run": meta, "table": table}, indent=1) + "\n")
-    (args.out / "summary.md").write_text(render(table, meta))
-    print(render(table, meta))
+    write_summary(args.out, meta, table, render(table, meta))
     return 0
 
 

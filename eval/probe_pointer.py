@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from cag.context import CachedContext  # noqa: E402
 from cag.progress import Progress  # noqa: E402
-from eval.calibrate_copy_prior import part_items, part_store, read_rows  # noqa: E402
+from eval.calibrate_copy_prior import append_row, part_items, part_store, read_rows  # noqa: E402
 from eval.diagnose_length import translated_chunks  # noqa: E402
 from eval.harness import ItemRunner, host_info  # noqa: E402
 
@@ -40,13 +40,14 @@ PARTS = ("choose", "lookups", "codes")
 
 
 def items_of(part: str, choose_seed: int, target: str = "", n_needles: int = 12) -> list:
-    """A part's items; "codes@L": `n_needles` code needles in L target tokens of one held-out essay, read whole
-    (`eval/diagnose_length.py`'s calibration material, seeds 300 + L)."""
-    if part.startswith("codes@"):
+    """A part's items; "M@L": `n_needles` needles of material M ("codes", "wordcodes", "facts") in L target tokens
+    of one held-out essay, read whole (`eval/diagnose_length.py`'s calibration material, seeds 300 + L)."""
+    if "@" in part:
         from cag.models import registry
         from eval.diagnose_length import needles
 
-        return needles(int(part.split("@")[1]), n_needles, registry.load(target, "auto").tokenizer, material="codes")
+        material, length = part.split("@")
+        return needles(int(length), n_needles, registry.load(target, "auto").tokenizer, material=material)
     if part == "choose":
         from eval.calibration_lookup import calibration_lookup
 
@@ -111,8 +112,7 @@ def main(argv=None) -> int:
                     row["hits"] = hit.int().tolist()
                     mean_pointed = int(mass[:, :, n_prefix:].mean(dim=(0, 1)).argmax()) + n_prefix
                     row["mean_hit"] = mean_pointed in gold
-                with open(rows_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)
     by_part = {p: [r for r in done.values() if r["part"] == p] for p in parts}

@@ -72,6 +72,24 @@ def test_code_needles_reproducible_exact_and_disjoint_from_evaluation():
     assert not set(re.findall(r"[a-z]+", values)) & kb_names
 
 
+def test_word_code_needles_reproducible_exact_and_disjoint_from_evaluation():
+    from eval.calibration_lookup import _CODE_WORDS, _WORD_CODE_FACTS, calibration_word_code_needles
+
+    a = calibration_word_code_needles(seed=2, n=9)
+    assert [i.to_json() for i in a] == [i.to_json() for i in calibration_word_code_needles(seed=2, n=9)]
+    assert sorted(i.meta["fact_type"] for i in a) == sorted(list(_WORD_CODE_FACTS) * 3)
+    for item in a:
+        (answer,) = item.answers
+        assert item.documents[0].text.count(answer) == 1
+        parts = answer.split("-")
+        assert len(parts) == 3 and sum(p.isdigit() for p in parts) == 1 and set(parts) - {p for p in parts
+                                                                                         if p.isdigit()} <= set(_CODE_WORDS)
+    evaluation_templates = set(ds._QUESTIONS.values()) | {q for _, q, _ in ds._NEEDLE_TEMPLATES}
+    assert not evaluation_templates & {q for _, q in _WORD_CODE_FACTS.values()}
+    assert not set(_CODE_WORDS) & set(ds._NEEDLE_WORDS)
+    assert not any("passphrase" in t or "opens" in t for ts, q in _WORD_CODE_FACTS.values() for t in [*ts, q])
+
+
 def test_length_needles_by_material_come_from_the_held_out_essays(tiny):
     from eval.diagnose_length import needles
     from eval.lab.data import held_out_essays
