@@ -502,7 +502,7 @@ class CachedContext(BaseModel):
         weight = copy_prior if copy_prior is not None else (self.copy_prior or 0.0)
         copy_prior = None
         if weight > 0:
-            from cag.copy_prior import TextCopyPrior, pointer_head, pointer_starts
+            from cag.copy_prior import TextCopyPrior, code_start, pointer_head, pointer_starts
             from cag.generate import stop_token_ids
 
             texts, first, first_weight = [h.text for h in used], None, None
@@ -510,12 +510,14 @@ class CachedContext(BaseModel):
             # The pointer head was chosen and weighed on the plain translated path: not on the target's own
             # chunks (they start right) nor where a recompute changed what the question reads.
             t = time.perf_counter()
-            if pointer is not None and path == "translated" and not placed.recomputed_tokens and chunks:
+            plain = path == "translated" and not placed.recomputed_tokens and bool(chunks)
+            if pointer is not None and plain:
                 layer, head, first_weight = pointer
                 with asm.model_lock:
                     first = pointer_starts(asm, chunks, texts, question_ids, layer, head, chat=asm.layout.chat)
             copy_prior = TextCopyPrior(texts, lm.tokenizer, weight, stop_ids=sorted(stop_token_ids(lm.tokenizer)),
-                                       first=first, first_weight=first_weight)
+                                       first=first, first_weight=first_weight, chat=asm.layout.chat,
+                                       code_start=plain and code_start(lm.fingerprint.id))
             if first is not None:  # the head's read and its starts' spelling: before the first token, so TTFT
                 timings.point = time.perf_counter() - t
         return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()),

@@ -24,6 +24,13 @@ A word there runs through inner punctuation (`words="code"`: "60.836.86", "BB/73
 found 3 more of 24 calibration codes than letters and digits alone, `words="letters"`). Each rule was
 measured on the gate's calibration items (eval/results/copy_prior/README.md); the served weight is 0.5,
 on translated paths only (the target's own chunks copy exactly already and lose free answers to it).
+
+A translated cache often enters a code of words and digits at its digits: "67-lemon" for cedar-67-lemon,
+"91. problems" for pebble-heron-91. With `code_start` (chosen per target in `pointer_heads.json`), a first
+token that the context spells only inside a code, after its inner punctuation, swaps with that code's first
+token, and the answer is then copied from that code (its own continuation, not every place its first piece
+occurs) to its end. Calibration word-code needles into Qwen2.5: 27 → 42 of 72 found, none lost, and no answer of
+the gate's items changed (eval/results/copy_prior/README.md, "Entering a code at its start").
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 
 POINTER_FILE = Path(__file__).with_name("pointer_heads.json")
+_TRAILING = ".,;:!?)\"'"  # punctuation that ends a sentence or clause, not a code
 
 
 class TextCopyPrior:
@@ -53,7 +61,8 @@ class TextCopyPrior:
 
     def __init__(self, texts: Sequence[str], tokenizer: Any, weight: float, *, min_chars: int = 2,
                  max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code",
-                 first: dict[str, float] | None = None, first_weight: float | None = None) -> None:
+                 first: dict[str, float] | None = None, first_weight: float | None = None,
+                 code_start: bool = False, chat: bool = True) -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
         if not 1 <= min_chars <= max_chars:
@@ -72,6 +81,11 @@ class TextCopyPrior:
         self.first_weight = self.weight if first_weight is None else float(first_weight)
         self._first: dict[int, float] = {}
         starts = [(text, w) for text, w in (first or {}).items() if w > 0]
+        # `code_start` (see `_code_started`): the pointer's mass per word, to choose among codes; `chat`: the
+        # layout's answers start without a space (else a word is spelled after one, as `pointer_starts` does)
+        self.code_start, self._chat = bool(code_start), bool(chat)
+        self._word_mass = {text.strip().rstrip(_TRAILING): w for text, w in starts}
+        self._anchor: str | None = None  # the code a `code_start` swap entered: copied to its end
         if starts:  # one batched call: a 4K context has thousands of word starts, read before the first token
             encoded = tokenizer([text for text, _ in starts], add_special_tokens=False)["input_ids"]
             for ids, (_, w) in zip(encoded, starts):
@@ -87,6 +101,13 @@ class TextCopyPrior:
         if not generated:
             return {}, False
         text = self._tokenizer.decode(list(generated), skip_special_tokens=True)
+        if self._anchor is not None and len(text.strip()) < len(self._anchor) and self._anchor.startswith(text.strip()):
+            # inside the code the first token entered: its own continuation, not every place its prefix occurs
+            if self._vocab is None:
+                self._vocab, self._longest = _spellings(self._tokenizer)
+            token = self._first_token(self._anchor[len(text.strip()):][:self._longest])
+            if token is not None:
+                return {token: 1}, True
         n = 0
         while n < min(len(text), self.max_chars) and any(text[-(n + 1):] in t for t in self._texts):
             n += 1
@@ -118,11 +139,43 @@ class TextCopyPrior:
         if self.weight <= 0:
             return logits
         if not generated:
-            return mixed(logits, self._first, self.first_weight, self.stop_ids)
+            return self._code_started(mixed(logits, self._first, self.first_weight, self.stop_ids))
         following, mid_word = self._follow(generated)
         # An answer copied from the context does not end inside one of its words ("Quolubo" of "Quolubou"):
         # there the model's wish to stop is mixed like any other token's.
         return mixed(logits, following, self.weight, () if mid_word else self.stop_ids)
+
+
+    def _code_started(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """With `code_start`: where the first token's favourite is spelled, in the context, only inside a code
+        after its inner punctuation ("67" of "cedar-67-lemon", "9" of "pebble-heron-91"), it swaps with the first
+        token of that code (the pointer's favourite of several, else the first met): a translated cache enters a
+        code of words and digits at its digits."""
+        if not self.code_start:
+            return log_probs
+        best = int(log_probs.argmax())
+        spelled = self._tokenizer.decode([best], skip_special_tokens=True).strip()
+        if not spelled:
+            return log_probs
+        codes: list[str] = []
+        for text in self._texts:
+            for word in text.split():
+                word = word.lstrip("(\"'").rstrip(_TRAILING)
+                if word.startswith(spelled):
+                    return log_probs  # the context starts a word with it: the model may mean that one
+                if any(word[i - 1] in "-/." and word[i - 2].isalnum() and word.startswith(spelled, i)
+                       for i in range(2, len(word))):
+                    codes.append(word)
+        if not codes:
+            return log_probs
+        word = max(codes, key=lambda w: self._word_mass.get(w, 0.0))  # ties: the first met (max keeps it)
+        ids = self._tokenizer(word if self._chat else " " + word, add_special_tokens=False)["input_ids"]
+        if not ids or ids[0] == best or ids[0] >= log_probs.shape[-1]:
+            return log_probs
+        out = log_probs.clone()
+        out[best], out[ids[0]] = log_probs[ids[0]], log_probs[best]
+        self._anchor = word
+        return out
 
 
 def _letters_go_on(last: str, rest: str) -> bool:
@@ -203,6 +256,12 @@ def pointer_head(fingerprint_id: str, path: Path | None = None) -> tuple[int, in
         return None
     layer, head = entry["head"]
     return int(layer), int(head), float(entry["weight"])
+
+
+def code_start(fingerprint_id: str, path: Path | None = None) -> bool:
+    """Whether the target's calibration chose `TextCopyPrior.code_start` (its pointer entry's ``code_start``)."""
+    entry = _pointer_file(path or POINTER_FILE).get(fingerprint_id)
+    return bool(entry and entry.get("code_start"))
 
 
 def pointer_starts(assembler, chunks: Sequence[Any], texts: Sequence[str], question_ids: torch.Tensor,

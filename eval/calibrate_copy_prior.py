@@ -221,6 +221,8 @@ def main(argv=None) -> int:
                     "weight of the run's column)")
     ap.add_argument("--pointer-top", type=int, help="--pointer: only the words the head looks at most (1: its "
                     "strongest word alone)")
+    ap.add_argument("--code-start", action="store_true", help="--unit text: a first token the context spells only "
+                    "inside a code starts that code (TextCopyPrior.code_start)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a gate run's folder whose stores to reuse")
     ap.add_argument("--out", type=Path, required=True)
@@ -236,6 +238,7 @@ def main(argv=None) -> int:
     meta = {"source": args.source, "target": args.target, "method": args.method, "weights": weights,
             "unit": args.unit, "stop_aware": args.stop_aware, "min_chars": args.min_chars, "words": args.words,
             "pointer": args.pointer, "pointer_weight": args.pointer_weight, "pointer_top": args.pointer_top,
+            "code_start": args.code_start,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "host": host_info().get("cpu", "")}
     for part in args.parts:
@@ -258,6 +261,7 @@ def main(argv=None) -> int:
                 if not todo:
                     continue
                 hits = runner.hits_for(item)
+                lm_chat = base.assembler.layout.chat
                 context = [lm.tokenize(h.text)[0].tolist() for h in hits]
                 first = pointer_first(ctx, item.question, hits, args.pointer, args.pointer_top) if args.pointer else None
 
@@ -268,7 +272,8 @@ def main(argv=None) -> int:
                     if args.unit == "text":
                         return TextCopyPrior([h.text for h in hits], lm.tokenizer, w, min_chars=args.min_chars,
                                              stop_ids=ends, words=args.words, first=first,
-                                             first_weight=args.pointer_weight)
+                                             first_weight=args.pointer_weight, code_start=args.code_start,
+                                             chat=lm_chat)
                     return TokenCopyPrior(context, w, stop_ids=ends)
                 for path in todo:
                     with warnings.catch_warnings():

@@ -70,12 +70,14 @@ def chunk_scores(scores: list[list[float]]) -> list[float]:
     return [max(s, default=float("-inf")) for s in scores]
 
 
-def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float) -> dict:
+def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, code_start: bool = False) -> dict:
     lm = runner.lm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prepared = ctx.prepare(item.question, hits, max_new_tokens=runner.max_new_tokens, with_question=True,
                                copy_prior=weight)
+    if code_start and prepared.copy_prior is not None:
+        prepared.copy_prior.code_start = True  # an experiment on the served prior (TextCopyPrior.code_start)
     gen = generate(lm.model, lm.tokenizer, copy.deepcopy(prepared.cache), prepared.question_ids,
                    max_new_tokens=runner.max_new_tokens, stop_ids=stop_token_ids(lm.tokenizer),
                    first_logits=prepared.first_logits, copy_prior=prepared.copy_prior)
@@ -144,6 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int, nargs="*", default=[], help="also: the best chunks within this many "
                     "target tokens (the best one always)")
     ap.add_argument("--copy-prior", type=float, default=0.5)
+    ap.add_argument("--code-start", action="store_true", help="every variant's prior with TextCopyPrior.code_start")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a calibrate_copy_prior.py OUT whose store-<part> to reuse")
     ap.add_argument("--needle-stores", type=Path, help="a probe_pointer.py or probe_focus.py OUT whose "
@@ -157,7 +160,7 @@ def main(argv=None) -> int:
     meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
             "host": host_info().get("cpu", ""), "target": args.target, "method": args.method,
             "copy_prior": args.copy_prior, "max_new_tokens": args.max_new_tokens, "scorers": args.scorers,
-            "keep": args.keep, "budgets": args.budgets}
+            "keep": args.keep, "budgets": args.budgets, "code_start": args.code_start}
     for part in parts:
         items = items_of(part, 0, args.target, args.needles)
         stores = args.needle_stores if "@" in part else args.stores
@@ -176,7 +179,7 @@ def main(argv=None) -> int:
                 holds = [i for i, h in enumerate(used) if any(a in h.text for a in item.answers)]
                 row = {"part": part, "item": item.id, "answers": list(item.answers), "chunks": len(used),
                        "gold_chunks": holds, "gold_rank": {}, "by_variant": {}}
-                row["by_variant"]["all"] = answer(runner, ctx, item, used, args.copy_prior)
+                row["by_variant"]["all"] = answer(runner, ctx, item, used, args.copy_prior, args.code_start)
                 sizes = [runner.lm.tokenize(h.text)[0].numel() for h in used]
                 for scorer in args.scorers:
                     best = chunk_scores(sentence_scores(ctx, item.question, used, scorer))
@@ -186,7 +189,7 @@ def main(argv=None) -> int:
                               **{f"{scorer}<={b}": selection.best_within(sizes, best, b) for b in args.budgets}}
                     for name, keep in chosen.items():
                         kept = [used[i] for i in sorted(keep)]
-                        row["by_variant"][name] = answer(runner, ctx, item, kept, args.copy_prior)
+                        row["by_variant"][name] = answer(runner, ctx, item, kept, args.copy_prior, args.code_start)
                 append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)

@@ -133,6 +133,32 @@ def test_a_pointer_starts_the_answer_where_the_text_it_points_at_starts(tiny):
     assert torch.equal(plain(logits, []), logits)             # no pointer: the first token is the model's
 
 
+def test_code_start_moves_a_first_token_spelled_only_inside_a_code_to_the_codes_start(tiny):
+    from cag.copy_prior import TextCopyPrior
+
+    tok = tiny.tokenizer
+    text = "Tours are booked under cedar-67-lemon. Nobody comes."
+    more = text + " " + " ".join(f"{'cedar-67-lemon'[:k]}x" for k in range(2, 9))   # its first pieces, elsewhere
+    cedar = tok("cedar-67-lemon", add_special_tokens=False)["input_ids"][0]
+    six = tok("67-lemon", add_special_tokens=False)["input_ids"][0]
+    assert cedar != six and tok.decode([six]).strip() and not "cedar".startswith(tok.decode([six]).strip())
+    logits = torch.full((len(tok),), -10.0)
+    logits[six] = 10.0                                         # the model enters the code at its digits
+    plain = TextCopyPrior([text], tok, 0.5)
+    started = TextCopyPrior([more], tok, 0.5, code_start=True)
+    assert int(plain(logits, []).argmax()) == six
+    out = started(logits, [])
+    assert int(out.argmax()) == cedar and math.isclose(float(out[cedar]), float(plain(logits, [])[six]))  # a swap
+    # ...and the code is then copied from where it was entered, not from every place its first piece occurs
+    head = tok.decode([cedar]).strip()
+    (nxt,) = started.continuations([cedar])
+    assert "cedar-67-lemon"[len(head):].startswith(tok.decode([nxt]).strip())
+    elsewhere = TextCopyPrior([text + " 67 people came."], tok, 0.5, code_start=True)
+    assert int(elsewhere(logits, []).argmax()) == six          # the context also starts a word with it: left alone
+    logits[six], logits[cedar] = -10.0, 10.0
+    assert torch.equal(TextCopyPrior([text], tok, 0.5, code_start=True)(logits, []), plain(logits, []))  # its start
+
+
 def test_pointer_starts_weigh_the_words_a_head_attends_to(tiny):
     from cag.assembler import Assembler
     from cag.copy_prior import pointer_starts
@@ -160,3 +186,9 @@ def test_the_pointer_file_names_a_head_and_its_weight(tmp_path):
     assert pointer_head("fp", path) == (16, 7, 0.4)
     assert pointer_head("other", path) is None
     assert pointer_head("fp", tmp_path / "missing.json") is None
+    from cag.copy_prior import code_start
+
+    assert not code_start("fp", path) and not code_start("other", path)  # not chosen: off
+    chosen = tmp_path / "chosen.json"                                      # (files are read once per path)
+    chosen.write_text(json.dumps({"fp": {"model": "m", "head": [16, 7], "weight": 0.4, "code_start": True}}))
+    assert code_start("fp", chosen) and pointer_head("fp", chosen) == (16, 7, 0.4)
