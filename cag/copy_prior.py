@@ -101,11 +101,12 @@ class TextCopyPrior:
         if not generated:
             return {}, False
         text = self._tokenizer.decode(list(generated), skip_special_tokens=True)
-        if self._anchor is not None and len(text.strip()) < len(self._anchor) and self._anchor.startswith(text.strip()):
+        answer = text.strip()
+        if self._anchor is not None and len(answer) < len(self._anchor) and self._anchor.startswith(answer):
             # inside the code the first token entered: its own continuation, not every place its prefix occurs
             if self._vocab is None:
                 self._vocab, self._longest = _spellings(self._tokenizer)
-            token = self._first_token(self._anchor[len(text.strip()):][:self._longest])
+            token = self._first_token(self._anchor[len(answer):][:self._longest])
             if token is not None:
                 return {token: 1}, True
         n = 0
@@ -144,7 +145,6 @@ class TextCopyPrior:
         # An answer copied from the context does not end inside one of its words ("Quolubo" of "Quolubou"):
         # there the model's wish to stop is mixed like any other token's.
         return mixed(logits, following, self.weight, () if mid_word else self.stop_ids)
-
 
     def _code_started(self, log_probs: torch.Tensor) -> torch.Tensor:
         """With `code_start`: where the first token's favourite is spelled, in the context, only inside a code

@@ -251,6 +251,7 @@ def main(argv=None) -> int:
         runner = ItemRunner(base, {args.method: ctx}, max_new_tokens=args.max_new_tokens)
         lm = runner.lm
         stops = stop_token_ids(lm.tokenizer)
+        lm_chat = base.assembler.layout.chat
         if "translated" in args.paths:
             meta.setdefault("artifacts", {})[args.method] = getattr(ctx.active_mapper, "artifact_id", args.method)
         with Progress(f"copy prior: {part}", total=len(items) * len(args.paths), unit="answers",
@@ -261,7 +262,6 @@ def main(argv=None) -> int:
                 if not todo:
                     continue
                 hits = runner.hits_for(item)
-                lm_chat = base.assembler.layout.chat
                 context = [lm.tokenize(h.text)[0].tolist() for h in hits]
                 first = pointer_first(ctx, item.question, hits, args.pointer, args.pointer_top) if args.pointer else None
 

@@ -277,19 +277,25 @@ def _code_value(fact: str, rng: random.Random, names: _Names) -> str:
     return f"{names.take(n_syll=(2, 2)).lower()} {names.take(n_syll=(2, 3)).lower()}"   # motto
 
 
+def _exact_needles(name: str, facts: dict, value, *, seed: int, n: int, words: int,
+                   essays: list[str] | None) -> list[QAItem]:
+    """Needles of `facts`, each format equally often, whose one answer ``value(fact, rng, names)`` must be
+    copied exactly."""
+    formats = list(facts)
+
+    def make_value(fact, rng, names):
+        answer = value(fact, rng, names)
+        return answer, (answer,)
+
+    return _planted_needles(f"{DATASET}-{name}", f"calib-{name}", seed=seed, n=n, words=words, essays=essays,
+                            facts=facts, pick_fact=lambda k, kind, rng: formats[k % len(formats)],
+                            make_value=make_value)
+
+
 def calibration_code_needles(*, seed: int = 0, n: int = 12, words: int = 700,
                              essays: list[str] | None = None) -> list[QAItem]:
     """Like `calibration_needles`, with answers that must be copied exactly (see `_CODE_FACTS`)."""
-    formats = list(_CODE_FACTS)
-
-    def make_value(fact, rng, names):
-        value = _code_value(fact, rng, names)
-        return value, (value,)
-
-    return _planted_needles(f"{DATASET}-code-needle", "calib-code-needle", seed=seed, n=n, words=words,
-                            essays=essays, facts=_CODE_FACTS,
-                            pick_fact=lambda k, kind, rng: formats[k % len(formats)],  # each format equally often
-                            make_value=make_value)
+    return _exact_needles("code-needle", _CODE_FACTS, _code_value, seed=seed, n=n, words=words, essays=essays)
 
 
 # Codes made of common words and a number, joined by hyphens (diceware-style keys: "maple-sparrow-62"). A
@@ -317,15 +323,8 @@ def _word_code(rng: random.Random) -> str:
 def calibration_word_code_needles(*, seed: int = 0, n: int = 12, words: int = 700,
                                   essays: list[str] | None = None) -> list[QAItem]:
     """Like `calibration_code_needles`, with codes of two common words and a number (see `_WORD_CODE_FACTS`)."""
-    formats = list(_WORD_CODE_FACTS)
-
-    def make_value(fact, rng, names):
-        value = _word_code(rng)
-        return value, (value,)
-
-    return _planted_needles(f"{DATASET}-word-code-needle", "calib-word-code-needle", seed=seed, n=n, words=words,
-                            essays=essays, facts=_WORD_CODE_FACTS,
-                            pick_fact=lambda k, kind, rng: formats[k % len(formats)], make_value=make_value)
+    return _exact_needles("word-code-needle", _WORD_CODE_FACTS, lambda fact, rng, names: _word_code(rng),
+                          seed=seed, n=n, words=words, essays=essays)
 
 
 # What a calibration needle asks for → the function that makes it (`eval/diagnose_length.py --material`).
