@@ -223,6 +223,20 @@ class CachedContext(BaseModel):
                                                 "Translated keys lose lookups as the context grows (README, "
                                                 "'Focus'). 0 = every chunk. None: the target's calibrated "
                                                 "budget (cag/focus_tokens.json; every chunk where none).")
+    pointer_sentences: int | None = Field(None, ge=0, description="On a plain translated path the first "
+                                          "answer token's pointer (cag.copy_prior.pointer_starts) chooses only "
+                                          "among the words of the k sentences the retriever finds closest to "
+                                          "the question. 0 = anywhere. None: the target's calibrated k "
+                                          "(cag/pointer_heads.json; 0 where none).")
+    pointer_scope: Literal["sentence", "chunk"] | None = Field(None, description="What `pointer_sentences` "
+                                                               "keeps: those sentences, or the whole chunks that "
+                                                               "hold them. None: the target's calibrated scope "
+                                                               "(cag/pointer_heads.json; sentence where none).")
+    pointer_skips_question: bool | None = Field(None, description="On a plain translated path the first "
+                                                "answer token's pointer gives no mass to the question's own words "
+                                                "(an answer rarely starts with one; a translated cache's pointer "
+                                                "often lands on the entity it was asked about). None: the target's "
+                                                "calibrated choice (cag/pointer_heads.json; off where none).")
     max_new_tokens: int = Field(_DEFAULT_MAX_NEW_TOKENS, ge=1)
     chunk_order: Literal["score", "document"] = Field("score", description="Order of placed chunks.")
     max_context_tokens: int | None = Field(None, ge=1, description="Cap on placed context tokens "
@@ -502,22 +516,28 @@ class CachedContext(BaseModel):
         weight = copy_prior if copy_prior is not None else (self.copy_prior or 0.0)
         copy_prior = None
         if weight > 0:
-            from cag.copy_prior import TextCopyPrior, code_start, pointer_head, pointer_starts
+            from cag.copy_prior import TextCopyPrior, pointer_head, pointer_rules, pointer_starts, question_words
             from cag.generate import stop_token_ids
 
             texts, first, first_weight = [h.text for h in used], None, None
-            pointer = pointer_head(lm.fingerprint.id)
-            # The pointer head was chosen and weighed on the plain translated path: not on the target's own
+            pointer, rules = pointer_head(lm.fingerprint.id), pointer_rules(lm.fingerprint.id)
+            # The pointer head and its rules were chosen on the plain translated path: not on the target's own
             # chunks (they start right) nor where a recompute changed what the question reads.
             t = time.perf_counter()
             plain = path == "translated" and not placed.recomputed_tokens and bool(chunks)
             if pointer is not None and plain:
                 layer, head, first_weight = pointer
+                k = self.pointer_sentences if self.pointer_sentences is not None else rules.sentences
+                scope = self.pointer_scope or rules.scope
+                skip = self.pointer_skips_question if self.pointer_skips_question is not None else rules.skip_question
                 with asm.model_lock:
-                    first = pointer_starts(asm, chunks, texts, question_ids, layer, head, chat=asm.layout.chat)
+                    first = pointer_starts(asm, chunks, texts, question_ids, layer, head, chat=asm.layout.chat,
+                                           sentences=self._best_sentences(question, used, k, scope) if k else None,
+                                           skip=question_words(question) if skip else frozenset())
             copy_prior = TextCopyPrior(texts, lm.tokenizer, weight, stop_ids=sorted(stop_token_ids(lm.tokenizer)),
                                        first=first, first_weight=first_weight, chat=asm.layout.chat,
-                                       code_start=plain and code_start(lm.fingerprint.id))
+                                       code_start=plain and rules.code_start, anchor_pointer=plain and rules.anchor,
+                                       end_stops=plain and rules.end_stops)
             if first is not None:  # the head's read and its starts' spelling: before the first token, so TTFT
                 timings.point = time.perf_counter() - t
         return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()),
@@ -587,6 +607,18 @@ class CachedContext(BaseModel):
                          f"of {sum(sizes)} tokens), those whose sentences are closest to the question: translated "
                          f"caches lose lookups over longer context (translated_focus_tokens={budget}; 0 reads all)")
         return [hits[i] for i in keep]
+
+    def _best_sentences(self, question: str, used: list[Any], k: int,
+                        scope: str = "sentence") -> list[list[tuple[int, int]]]:
+        """Per used chunk, the spans of the `k` sentences the retriever finds closest to the question (the index's
+        sentence vectors: no model forward)."""
+        from cag import selection
+
+        _, index = self._current_view()
+        texts = [h.text for h in used]
+        scores = selection.retriever_sentence_scores(index.embed, texts, question,
+                                                     [index.sentence_vectors(h.key) for h in used])
+        return selection.best_sentences(texts, scores, k, whole_chunks=scope == "chunk")
 
     def _copy_prior(self, decision: GateDecision) -> float:
         """The copy prior's weight to decode with: the caller's, else the one the served path was measured with."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,8 @@ class TextCopyPrior:
     def __init__(self, texts: Sequence[str], tokenizer: Any, weight: float, *, min_chars: int = 2,
                  max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code",
                  first: dict[str, float] | None = None, first_weight: float | None = None,
-                 code_start: bool = False, chat: bool = True) -> None:
+                 code_start: bool = False, chat: bool = True, anchor_pointer: bool = False,
+                 end_stops: bool = False) -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
         if not 1 <= min_chars <= max_chars:
@@ -86,11 +88,21 @@ class TextCopyPrior:
         self.code_start, self._chat = bool(code_start), bool(chat)
         self._word_mass = {text.strip().rstrip(_TRAILING): w for text, w in starts}
         self._anchor: str | None = None  # the code a `code_start` swap entered: copied to its end
+        # `anchor_pointer`: a first token that starts a word the pointer chose copies that word to its end (the
+        # pointer's favourite of those it starts), not whatever follows the token anywhere in the context
+        self.anchor_pointer = bool(anchor_pointer)
+        # `end_stops`: where the answer's suffix ends a chunk's text at a full stop, what follows there is the
+        # answer's end (a stop token), not nothing: else a fact that closes its chunk runs on from any shorter
+        # suffix ("lemon-canyon-90.90. 90.")
+        self.end_stops = bool(end_stops)
+        self._pointer_word: dict[int, tuple[float, str]] = {}
         if starts:  # one batched call: a 4K context has thousands of word starts, read before the first token
             encoded = tokenizer([text for text, _ in starts], add_special_tokens=False)["input_ids"]
-            for ids, (_, w) in zip(encoded, starts):
+            for ids, (text, w) in zip(encoded, starts):
                 if ids:
                     self._first[ids[0]] = self._first.get(ids[0], 0.0) + float(w)
+                    if w > self._pointer_word.get(ids[0], (0.0, ""))[0]:
+                        self._pointer_word[ids[0]] = (float(w), text.strip().rstrip(_TRAILING))
 
     def continuations(self, generated: Sequence[int]) -> dict[int, int]:
         """The tokens that start what follows the answer's longest suffix in the chunks' text, with counts."""
@@ -102,6 +114,8 @@ class TextCopyPrior:
             return {}, False
         text = self._tokenizer.decode(list(generated), skip_special_tokens=True)
         answer = text.strip()
+        if self.anchor_pointer and self._anchor is None and len(generated) == 1 and generated[0] in self._pointer_word:
+            self._anchor = self._pointer_word[generated[0]][1]
         if self._anchor is not None and len(answer) < len(self._anchor) and self._anchor.startswith(answer):
             # inside the code the first token entered: its own continuation, not every place its prefix occurs
             if self._vocab is None:
@@ -121,6 +135,9 @@ class TextCopyPrior:
             at = t.find(suffix)
             while at >= 0:
                 rest = t[at + n: at + n + self._longest]
+                if not rest and self.end_stops and self.stop_ids and suffix[-1:] in ".!?":
+                    found[self.stop_ids[0]] = found.get(self.stop_ids[0], 0) + 1
+                    inside = False
                 token = self._first_token(rest)
                 if token is not None:
                     found[token] = found.get(token, 0) + 1
@@ -258,24 +275,63 @@ def pointer_head(fingerprint_id: str, path: Path | None = None) -> tuple[int, in
     return int(layer), int(head), float(entry["weight"])
 
 
-def code_start(fingerprint_id: str, path: Path | None = None) -> bool:
-    """Whether the target's calibration chose `TextCopyPrior.code_start` (its pointer entry's ``code_start``)."""
-    entry = _pointer_file(path or POINTER_FILE).get(fingerprint_id)
-    return bool(entry and entry.get("code_start"))
+@dataclass(frozen=True)
+class PointerRules:
+    """The first-token rules a target's calibration chose (its entry in `pointer_heads.json`); all off elsewhere.
+
+    - `sentences`: the pointer chooses among the words of the retriever's k best sentences (0: anywhere), or with
+      `scope` "chunk" of the chunks that hold them;
+    - `skip_question`: ...and never a word of the question;
+    - `code_start`, `anchor`, `end_stops`: `TextCopyPrior`'s rules of those names (`anchor` is `anchor_pointer`).
+    """
+    sentences: int = 0
+    scope: str = "sentence"
+    skip_question: bool = False
+    code_start: bool = False
+    anchor: bool = False
+    end_stops: bool = False
+
+
+def pointer_rules(fingerprint_id: str, path: Path | None = None) -> PointerRules:
+    entry = _pointer_file(path or POINTER_FILE).get(fingerprint_id) or {}
+    return PointerRules(sentences=int(entry.get("sentences", 0)), scope=str(entry.get("scope", "sentence")),
+                        skip_question=bool(entry.get("skip_question")),
+                        code_start=bool(entry.get("code_start")), anchor=bool(entry.get("anchor")),
+                        end_stops=bool(entry.get("end_stops")))
+
+
+def bare_word(word: str) -> str:
+    """A word as the pointer compares it with the question's: lower case, its outer punctuation gone."""
+    return word.strip(_TRAILING + "(\"'").lower()
+
+
+def question_words(question: str) -> frozenset[str]:
+    return frozenset(w for w in map(bare_word, question.split()) if w)
 
 
 def pointer_starts(assembler, chunks: Sequence[Any], texts: Sequence[str], question_ids: torch.Tensor,
-                   layer: int, head: int, *, chat: bool = True) -> dict[str, float]:
+                   layer: int, head: int, *, chat: bool = True,
+                   sentences: Sequence[Sequence[tuple[int, int]]] | None = None,
+                   skip: frozenset[str] = frozenset()) -> dict[str, float]:
     """Where (`layer`, `head`) of the target looks from the question's last token over `chunks` (placed as
     stored after the prompt head): the attention on each token that starts a word, summed per word (its first
-    64 characters; after a space where the layout's answers start with one, `chat=False`)."""
+    64 characters; after a space where the layout's answers start with one, `chat=False`).
+
+    `sentences`: per chunk, the character spans the pointer may choose from (the retriever's best sentences,
+    `cag.selection.best_sentences`); a word starting elsewhere gets no mass. None: anywhere.
+    `skip`: words (`bare_word`) that get no mass: the question's own, which an answer rarely starts with."""
     (mass,) = assembler.heads_attention(chunks, [question_ids], [(layer, head)], last_token=True)
     mass, at, starts = mass[0], assembler.prefix().num_tokens, {}
-    for chunk, text in zip(chunks, texts):
+    for c, (chunk, text) in enumerate(zip(chunks, texts)):
+        allowed = None if sentences is None else sentences[c]
         for i, (a, _) in enumerate(chunk.offsets.tolist()):
             if not (a == 0 or text[a].isspace() or text[a - 1].isspace()):
                 continue  # inside a word
+            if allowed is not None and not any(s <= a < e for s, e in allowed):
+                continue  # outside the sentences the retriever chose
             words = text[a:a + 65].split(maxsplit=1)
+            if words and skip and bare_word(words[0]) in skip:
+                continue
             if words:
                 # The word alone spells the same first token (a tokenizer's pieces never cross a space), and
                 # a word met many times is tokenized once.

@@ -70,7 +70,8 @@ def chunk_scores(scores: list[list[float]]) -> list[float]:
     return [max(s, default=float("-inf")) for s in scores]
 
 
-def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, code_start: bool = False) -> dict:
+def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, code_start: bool = False,
+           anchor_pointer: bool | None = None, end_stops: bool | None = None) -> dict:
     lm = runner.lm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -78,6 +79,10 @@ def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, co
                                copy_prior=weight)
     if code_start and prepared.copy_prior is not None:
         prepared.copy_prior.code_start = True  # an experiment on the served prior (TextCopyPrior.code_start)
+    if anchor_pointer is not None and prepared.copy_prior is not None:
+        prepared.copy_prior.anchor_pointer = anchor_pointer  # likewise (TextCopyPrior.anchor_pointer)
+    if end_stops is not None and prepared.copy_prior is not None:
+        prepared.copy_prior.end_stops = end_stops  # likewise (TextCopyPrior.end_stops)
     gen = generate(lm.model, lm.tokenizer, copy.deepcopy(prepared.cache), prepared.question_ids,
                    max_new_tokens=runner.max_new_tokens, stop_ids=stop_token_ids(lm.tokenizer),
                    first_logits=prepared.first_logits, copy_prior=prepared.copy_prior)

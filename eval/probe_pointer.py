@@ -48,10 +48,10 @@ def items_of(part: str, choose_seed: int, target: str = "", n_needles: int = 12)
 
         material, length = part.split("@")
         return needles(int(length), n_needles, registry.load(target, "auto").tokenizer, material=material)
-    if part == "choose":
+    if part == "choose" or part.startswith("lookups-s"):  # "lookups-sN": all 60 calibration lookups of seed N
         from eval.calibration_lookup import calibration_lookup
 
-        return calibration_lookup(seed=choose_seed)[:30]
+        return calibration_lookup(seed=choose_seed)[:30] if part == "choose" else calibration_lookup(seed=int(part[9:]))
     return part_items(part)
 
 

@@ -184,6 +184,35 @@ def test_a_pointer_head_starts_the_translated_paths_copy_prior(pair, monkeypatch
     native = prepared(small, "identity")                       # the target's own chunks start right: no pointer
     assert native.copy_prior._first == {} and native.answer.timings.point == 0
 
+    # pointer_sentences=1: the pointer chooses among the words of the retriever's best sentence only
+    from stores.chunker import sentence_spans
+
+    ctx = CachedContext(store=tmp_path / "store", target=str(large), mapper=str(tmp_path / "mapper"),
+                        embedder=HashEmbedder(), dtype="float32", max_new_tokens=4, top_k=3, min_retention=0.0,
+                        copy_prior=0.5, pointer_sentences=1)
+    hits = ctx.retrieve("tower of Velmora")
+    within = ctx.prepare("tower of Velmora", hits).copy_prior
+    used = [h for h in ctx._order(hits)]
+    scores = ctx_scores(ctx, "tower of Velmora", used)
+    c, i = max(((c, i) for c, row in enumerate(scores) for i in range(len(row))), key=lambda ci: scores[ci[0]][ci[1]])
+    a, b = sentence_spans(used[c].text)[i]
+    assert within._word_mass and set(within._word_mass) <= {w.rstrip(".,;:!?)\"'") for w in used[c].text[a:b].split()}
+    assert set(within._word_mass) < set(prior._word_mass)     # fewer words than the pointer over everything
+    ctx.pointer_scope = "chunk"                               # ...or every word of the chunk that holds it
+    chunked = ctx.prepare("tower of Velmora", hits).copy_prior
+    assert set(within._word_mass) <= set(chunked._word_mass) <= {w.rstrip(".,;:!?)\"'") for w in used[c].text.split()}
+    assert not (within.anchor_pointer or within.end_stops or within.code_start)   # no rules calibrated
+
+    # the target's calibrated rules reach the plain translated path's prior, and only it
+    monkeypatch.setattr(cag.copy_prior, "pointer_rules", lambda fingerprint_id: cag.copy_prior.PointerRules(
+        sentences=1, skip_question=True, code_start=True, anchor=True, end_stops=True))
+    ruled = prepared(large, str(tmp_path / "mapper")).copy_prior
+    assert ruled.anchor_pointer and ruled.end_stops and ruled.code_start
+    assert set(ruled._word_mass) <= set(within._word_mass)    # the best sentence's words, the question's left out
+    assert not {w.lower() for w in ruled._word_mass} & {"tower", "of", "velmora"}
+    unruled = prepared(small, "identity").copy_prior
+    assert not (unruled.anchor_pointer or unruled.end_stops or unruled.code_start)
+
 
 def test_the_plain_translated_path_reads_the_chunks_closest_to_the_question_within_its_budget(pair):
     root, small, large = pair

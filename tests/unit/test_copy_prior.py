@@ -174,6 +174,22 @@ def test_pointer_starts_weigh_the_words_a_head_attends_to(tiny):
     assert {s.split()[0] for s in starts} <= words            # every key starts at a word of the chunks
     spaced = pointer_starts(asm, chunks, texts, asm.question_ids("Who keeps the hut?"), 1, 0, chat=False)
     assert all(s.startswith(" ") for s in spaced)
+    # within chosen sentences only: the same masses on their words, none elsewhere
+    within = pointer_starts(asm, chunks, texts, asm.question_ids("Who keeps the hut?"), 1, 0,
+                            sentences=[[(0, len(texts[0]))], []])
+    assert set(within) == {w for w in texts[0].split() if w in starts}
+    assert all(abs(within[w] - starts[w]) < 1e-6 for w in within if w not in texts[1].split())
+    assert not set(within) & (set(texts[1].split()) - set(texts[0].split()))
+    half = pointer_starts(asm, chunks, texts, asm.question_ids("Who keeps the hut?"), 1, 0,
+                          sentences=[[(0, 10)], [(0, 5)]])          # "The keeper" and "Goats"
+    assert set(half) == {"The", "keeper", "Goats"}
+    from cag.copy_prior import question_words
+
+    asked = question_words("Who is the keeper of the HUT?")
+    assert asked == {"who", "is", "the", "keeper", "of", "hut"}
+    skipped = pointer_starts(asm, chunks, texts, asm.question_ids("Who keeps the hut?"), 1, 0, skip=asked)
+    assert set(skipped) == {w for w in starts if w.strip(".").lower() not in asked}   # "hut." and "The" too
+    assert all(abs(skipped[w] - starts[w]) < 1e-6 for w in skipped)
 
 
 def test_the_pointer_file_names_a_head_and_its_weight(tmp_path):
@@ -186,9 +202,47 @@ def test_the_pointer_file_names_a_head_and_its_weight(tmp_path):
     assert pointer_head("fp", path) == (16, 7, 0.4)
     assert pointer_head("other", path) is None
     assert pointer_head("fp", tmp_path / "missing.json") is None
-    from cag.copy_prior import code_start
+    from cag.copy_prior import PointerRules, pointer_rules
 
-    assert not code_start("fp", path) and not code_start("other", path)  # not chosen: off
+    assert pointer_rules("fp", path) == PointerRules() == pointer_rules("other", path)  # none chosen: all off
     chosen = tmp_path / "chosen.json"                                      # (files are read once per path)
-    chosen.write_text(json.dumps({"fp": {"model": "m", "head": [16, 7], "weight": 0.4, "code_start": True}}))
-    assert code_start("fp", chosen) and pointer_head("fp", chosen) == (16, 7, 0.4)
+    chosen.write_text(json.dumps({"fp": {"model": "m", "head": [16, 7], "weight": 0.4, "code_start": True,
+                                         "sentences": 2, "scope": "chunk", "skip_question": True, "anchor": True,
+                                         "end_stops": True}}))
+    assert pointer_head("fp", chosen) == (16, 7, 0.4)
+    assert pointer_rules("fp", chosen) == PointerRules(sentences=2, scope="chunk", skip_question=True,
+                                                       code_start=True, anchor=True, end_stops=True)
+    assert pointer_rules("other", chosen) == PointerRules()
+
+
+def test_anchor_pointer_copies_the_pointers_word_its_first_token_started(tiny):
+    from cag.copy_prior import TextCopyPrior
+
+    tok = tiny.tokenizer
+    code = "prism-walnut-62"
+    text = f"Guests sign in with {code}. " + " ".join(f"{code[:k]}x" for k in range(1, 9))  # its pieces, elsewhere
+    first = tok(code, add_special_tokens=False)["input_ids"][0]
+    head = tok.decode([first]).strip()
+    loose = TextCopyPrior([text], tok, 0.5, first={code + ".": 0.8, "Guests": 0.2})
+    anchored = TextCopyPrior([text], tok, 0.5, first={code + ".": 0.8, "Guests": 0.2}, anchor_pointer=True)
+    (nxt,) = anchored.continuations([first])                   # the pointer's word, from where it was started
+    assert code[len(head):].startswith(tok.decode([nxt]).strip()) and anchored._anchor == code
+    # without it: a piece too short to match, or one that goes on in several places
+    assert loose.continuations([first]) != {nxt: 1}
+    unpointed = TextCopyPrior([text], tok, 0.5, anchor_pointer=True)   # no pointer: nothing to anchor to
+    assert unpointed.continuations([first]) == loose.continuations([first]) and unpointed._anchor is None
+
+
+def test_end_stops_end_an_answer_copied_to_a_chunks_final_full_stop(tiny):
+    from cag.copy_prior import TextCopyPrior
+    from cag.generate import stop_token_ids
+
+    tok = tiny.tokenizer
+    stops = sorted(stop_token_ids(tok))
+    texts = ["Tours are booked under lemon-canyon-90.", "It was 90. Then 0.5 of them left"]
+    answer = tok("lemon-canyon-90.", add_special_tokens=False)["input_ids"]
+    assert TextCopyPrior(texts, tok, 0.5, stop_ids=stops).continuations(answer) == {}   # nothing follows there
+    ended = TextCopyPrior(texts, tok, 0.5, stop_ids=stops, end_stops=True)
+    assert ended.continuations(answer) == {stops[0]: 1}
+    cut = tok("them left", add_special_tokens=False)["input_ids"]                         # no full stop: no end
+    assert ended.continuations(cut) == {}

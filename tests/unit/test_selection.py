@@ -326,3 +326,18 @@ def test_the_focus_budget_is_the_targets_calibrated_one_and_every_chunk_elsewher
     own = tmp_path / "focus.json"
     own.write_text(json.dumps({"abc": {"tokens": 300}}))
     assert selection.focus_tokens("abc", own) == 300
+
+
+def test_best_sentences_are_the_k_best_scored_over_every_chunk():
+    from stores.chunker import sentence_spans
+
+    texts = [OTHER, DOC]
+    scores = [[0.1, 0.7, 0.2], [0.3, 0.9, 0.0, 0.5]]
+    other, doc = sentence_spans(OTHER), sentence_spans(DOC)
+    assert selection.best_sentences(texts, scores, 1) == [[], [doc[1]]]
+    assert selection.best_sentences(texts, scores, 2) == [[other[1]], [doc[1]]]
+    assert selection.best_sentences(texts, scores, 3) == [[other[1]], [doc[1], doc[3]]]  # in their order
+    assert selection.best_sentences(texts, scores, 99) == [other, doc]
+    assert selection.best_sentences(texts, scores, 0) == [[], []]
+    assert selection.best_sentences(texts, scores, 1, whole_chunks=True) == [[], [(0, len(DOC))]]
+    assert selection.best_sentences(texts, scores, 2, whole_chunks=True) == [[(0, len(OTHER))], [(0, len(DOC))]]
