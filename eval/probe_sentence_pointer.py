@@ -29,6 +29,7 @@ item's last row wins); summary: OUT/summary.md.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -176,6 +177,10 @@ def main(argv=None) -> int:
                 append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)
+    # one row per item again (a rerun appended updated rows): written aside, then moved over the old file
+    tmp = rows_path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+    tmp.replace(rows_path)
     rows = [r for r in done.values() if r["part"] in parts]
     table = summarize(rows, parts, args.sentences)
     write_summary(args.out, meta, table, render(table, meta, args.sentences))
