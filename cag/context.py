@@ -228,10 +228,6 @@ class CachedContext(BaseModel):
                                           "among the words of the k sentences the retriever finds closest to "
                                           "the question. 0 = anywhere. None: the target's calibrated k "
                                           "(cag/pointer_heads.json; 0 where none).")
-    pointer_scope: Literal["sentence", "chunk"] | None = Field(None, description="What `pointer_sentences` "
-                                                               "keeps: those sentences, or the whole chunks that "
-                                                               "hold them. None: the target's calibrated scope "
-                                                               "(cag/pointer_heads.json; sentence where none).")
     pointer_skips_question: bool | None = Field(None, description="On a plain translated path the first "
                                                 "answer token's pointer gives no mass to the question's own words "
                                                 "(an answer rarely starts with one; a translated cache's pointer "
@@ -528,11 +524,10 @@ class CachedContext(BaseModel):
             if pointer is not None and plain:
                 layer, head, first_weight = pointer
                 k = self.pointer_sentences if self.pointer_sentences is not None else rules.sentences
-                scope = self.pointer_scope or rules.scope
                 skip = self.pointer_skips_question if self.pointer_skips_question is not None else rules.skip_question
                 with asm.model_lock:
                     first = pointer_starts(asm, chunks, texts, question_ids, layer, head, chat=asm.layout.chat,
-                                           sentences=self._best_sentences(question, used, k, scope) if k else None,
+                                           sentences=self._best_sentences(question, used, k) if k else None,
                                            skip=question_words(question) if skip else frozenset())
             copy_prior = TextCopyPrior(texts, lm.tokenizer, weight, stop_ids=sorted(stop_token_ids(lm.tokenizer)),
                                        first=first, first_weight=first_weight, chat=asm.layout.chat,
@@ -608,8 +603,7 @@ class CachedContext(BaseModel):
                          f"caches lose lookups over longer context (translated_focus_tokens={budget}; 0 reads all)")
         return [hits[i] for i in keep]
 
-    def _best_sentences(self, question: str, used: list[Any], k: int,
-                        scope: str = "sentence") -> list[list[tuple[int, int]]]:
+    def _best_sentences(self, question: str, used: list[Any], k: int) -> list[list[tuple[int, int]]]:
         """Per used chunk, the spans of the `k` sentences the retriever finds closest to the question (the index's
         sentence vectors: no model forward)."""
         from cag import selection
@@ -618,7 +612,7 @@ class CachedContext(BaseModel):
         texts = [h.text for h in used]
         scores = selection.retriever_sentence_scores(index.embed, texts, question,
                                                      [index.sentence_vectors(h.key) for h in used])
-        return selection.best_sentences(texts, scores, k, whole_chunks=scope == "chunk")
+        return selection.best_sentences(texts, scores, k)
 
     def _copy_prior(self, decision: GateDecision) -> float:
         """The copy prior's weight to decode with: the caller's, else the one the served path was measured with."""

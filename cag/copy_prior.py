@@ -279,13 +279,12 @@ def pointer_head(fingerprint_id: str, path: Path | None = None) -> tuple[int, in
 class PointerRules:
     """The first-token rules a target's calibration chose (its entry in `pointer_heads.json`); all off elsewhere.
 
-    - `sentences`: the pointer chooses among the words of the retriever's k best sentences (0: anywhere), or with
-      `scope` "chunk" of the chunks that hold them;
+    - `sentences`: the pointer chooses among the words of the retriever's k best sentences (0: anywhere; the
+      whole chunks that hold them found less, eval/results/sentence_pointer, measured at commit 300ffcb);
     - `skip_question`: ...and never a word of the question;
     - `code_start`, `anchor`, `end_stops`: `TextCopyPrior`'s rules of those names (`anchor` is `anchor_pointer`).
     """
     sentences: int = 0
-    scope: str = "sentence"
     skip_question: bool = False
     code_start: bool = False
     anchor: bool = False
@@ -294,8 +293,7 @@ class PointerRules:
 
 def pointer_rules(fingerprint_id: str, path: Path | None = None) -> PointerRules:
     entry = _pointer_file(path or POINTER_FILE).get(fingerprint_id) or {}
-    return PointerRules(sentences=int(entry.get("sentences", 0)), scope=str(entry.get("scope", "sentence")),
-                        skip_question=bool(entry.get("skip_question")),
+    return PointerRules(sentences=int(entry.get("sentences", 0)), skip_question=bool(entry.get("skip_question")),
                         code_start=bool(entry.get("code_start")), anchor=bool(entry.get("anchor")),
                         end_stops=bool(entry.get("end_stops")))
 

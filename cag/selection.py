@@ -296,14 +296,10 @@ def source_retriever_spans(source_assembler, source_chunks: Sequence[KVChunk], t
     return _choose(target_chunks, texts, fused_sentence_scores(source, retriever), budget_tokens)
 
 
-def best_sentences(texts: Sequence[str], scores: Sequence[Sequence[float]], k: int,
-                   whole_chunks: bool = False) -> list[list[tuple[int, int]]]:
-    """Per chunk, the character spans (`sentence_spans`) of the `k` best-scored sentences over all chunks;
-    `whole_chunks`: the whole text of each chunk that holds one of them instead."""
+def best_sentences(texts: Sequence[str], scores: Sequence[Sequence[float]], k: int) -> list[list[tuple[int, int]]]:
+    """Per chunk, the character spans (`sentence_spans`) of the `k` best-scored sentences over all chunks."""
     flat = sorted(((v, c, s) for c, row in enumerate(scores) for s, v in enumerate(row)), key=lambda x: -x[0])
     chosen = {(c, s) for _, c, s in flat[:k]}
-    if whole_chunks:
-        return [[(0, len(t))] if any(c == d for d, _ in chosen) else [] for c, t in enumerate(texts)]
     return [[span for s, span in enumerate(sentence_spans(t)) if (c, s) in chosen] for c, t in enumerate(texts)]
 
 

@@ -15,8 +15,8 @@ own words (`CachedContext(pointer_skips_question=True)`): within the right sente
 often lands on the entity it was asked about, and the answer then restates it and stops. With an "a" suffix
 the first token, where it starts a word the pointer chose, copies that word to its end
 (`TextCopyPrior.anchor_pointer`): a first piece such as "pr" otherwise continues from any of its occurrences.
-With a "c" suffix the k best sentences' whole chunks are kept (`CachedContext(pointer_scope="chunk")`). With an "e"
-suffix a chunk's text that ends at a full stop ends the answer copied up to it
+A "c" suffix kept the k best sentences' whole chunks (`pointer_scope="chunk"`, measured at commit 300ffcb and
+retired: fewer found). With an "e" suffix a chunk's text that ends at a full stop ends the answer copied up to it
 (`TextCopyPrior.end_stops`).
 
 Each item is answered once per k on the served plain path (`CachedContext.prepare`: focus, copy prior 0.5,
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
                     "(eval.calibration_lookup.NEEDLE_MATERIALS)")
     ap.add_argument("--sentences", nargs="+", default=["0", "1", "2", "3"],
                     help="variants: k (CachedContext.pointer_sentences), with suffixes q: pointer_skips_question, "
-                    "c: pointer_scope chunk, a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops; the first "
+                    "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops; the first "
                     "is the baseline")
     ap.add_argument("--copy-prior", type=float, default=0.5)
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
@@ -137,6 +137,9 @@ def main(argv=None) -> int:
                     "(variants: --sentences; steps: each variant against the first, and --steps) and stop")
     ap.add_argument("--steps", nargs="*", default=[], help="A>B pairs for --ablation")
     args = ap.parse_args(argv)
+    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?", v)]
+    if bad and not args.ablation:  # the ablation reads old rows too ("1cqae": the retired chunk scope)
+        ap.error(f"variants are k followed by any of q, a, e in that order, got {bad}")
     if args.ablation:
         steps = [(args.sentences[0], v) for v in args.sentences[1:]] + [tuple(s.split(">")) for s in args.steps]
         print(ablation(args.ablation, args.sentences, steps), end="")
@@ -171,7 +174,6 @@ def main(argv=None) -> int:
                 hits = runner.hits_for(item)
                 for k in missing:
                     ctx.pointer_sentences, ctx.pointer_skips_question = int(re.match(r"\d+", k)[0]), "q" in k
-                    ctx.pointer_scope = "chunk" if "c" in k else "sentence"
                     row["by_k"][k] = answer(runner, ctx, item, hits, args.copy_prior, anchor_pointer="a" in k,
                                             end_stops="e" in k)
                 append_row(rows_path, row)

@@ -198,9 +198,6 @@ def test_a_pointer_head_starts_the_translated_paths_copy_prior(pair, monkeypatch
     a, b = sentence_spans(used[c].text)[i]
     assert within._word_mass and set(within._word_mass) <= {w.rstrip(".,;:!?)\"'") for w in used[c].text[a:b].split()}
     assert set(within._word_mass) < set(prior._word_mass)     # fewer words than the pointer over everything
-    ctx.pointer_scope = "chunk"                               # ...or every word of the chunk that holds it
-    chunked = ctx.prepare("tower of Velmora", hits).copy_prior
-    assert set(within._word_mass) <= set(chunked._word_mass) <= {w.rstrip(".,;:!?)\"'") for w in used[c].text.split()}
     assert not (within.anchor_pointer or within.end_stops or within.code_start)   # no rules calibrated
 
     # the target's calibrated rules reach the plain translated path's prior, and only it

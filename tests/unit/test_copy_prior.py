@@ -207,10 +207,10 @@ def test_the_pointer_file_names_a_head_and_its_weight(tmp_path):
     assert pointer_rules("fp", path) == PointerRules() == pointer_rules("other", path)  # none chosen: all off
     chosen = tmp_path / "chosen.json"                                      # (files are read once per path)
     chosen.write_text(json.dumps({"fp": {"model": "m", "head": [16, 7], "weight": 0.4, "code_start": True,
-                                         "sentences": 2, "scope": "chunk", "skip_question": True, "anchor": True,
+                                         "sentences": 2, "skip_question": True, "anchor": True,
                                          "end_stops": True}}))
     assert pointer_head("fp", chosen) == (16, 7, 0.4)
-    assert pointer_rules("fp", chosen) == PointerRules(sentences=2, scope="chunk", skip_question=True,
+    assert pointer_rules("fp", chosen) == PointerRules(sentences=2, skip_question=True,
                                                        code_start=True, anchor=True, end_stops=True)
     assert pointer_rules("other", chosen) == PointerRules()
 

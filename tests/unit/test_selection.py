@@ -339,5 +339,3 @@ def test_best_sentences_are_the_k_best_scored_over_every_chunk():
     assert selection.best_sentences(texts, scores, 3) == [[other[1]], [doc[1], doc[3]]]  # in their order
     assert selection.best_sentences(texts, scores, 99) == [other, doc]
     assert selection.best_sentences(texts, scores, 0) == [[], []]
-    assert selection.best_sentences(texts, scores, 1, whole_chunks=True) == [[], [(0, len(DOC))]]
-    assert selection.best_sentences(texts, scores, 2, whole_chunks=True) == [[(0, len(OTHER))], [(0, len(DOC))]]
