@@ -136,45 +136,61 @@ def render(table: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_probe_args(ap: argparse.ArgumentParser, *, needle_lengths: list[int], needles: int) -> None:
+    """The items, models and decoding a probe over calibration parts shares (this one, probe_sentence_pointer)."""
     ap.add_argument("--source", default="smollm2-135m")
     ap.add_argument("--target", default="qwen2.5-0.5b")
     ap.add_argument("--method", default="bottleneck")
     ap.add_argument("--parts", nargs="*", default=["lookups", "codes", "essays"])
-    ap.add_argument("--needle-lengths", type=int, nargs="*", default=[1024, 4096])
-    ap.add_argument("--needles", type=int, default=12, help="needles per length")
+    ap.add_argument("--needle-lengths", type=int, nargs="*", default=needle_lengths)
+    ap.add_argument("--needles", type=int, default=needles, help="needles per length")
     ap.add_argument("--material", default="codes", help="what the needles ask for: codes or wordcodes "
                     "(eval.calibration_lookup.NEEDLE_MATERIALS)")
-    ap.add_argument("--scorers", nargs="+", choices=SCORERS, default=list(SCORERS))
-    ap.add_argument("--keep", type=int, nargs="*", default=[1, 2], help="how many of the best chunks to place")
-    ap.add_argument("--budgets", type=int, nargs="*", default=[], help="also: the best chunks within this many "
-                    "target tokens (the best one always)")
     ap.add_argument("--copy-prior", type=float, default=0.5)
-    ap.add_argument("--code-start", action="store_true", help="every variant's prior with TextCopyPrior.code_start")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
     ap.add_argument("--stores", type=Path, help="a calibrate_copy_prior.py OUT whose store-<part> to reuse")
     ap.add_argument("--needle-stores", type=Path, help="a probe_pointer.py or probe_focus.py OUT whose "
                     "store-MATERIAL@L to reuse")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
+
+
+def probe_run(args, **meta) -> tuple[list[str], Path, dict, dict]:
+    """The parts, the rows file, the rows done so far (resumable) and the run's record."""
     parts = [*args.parts, *(f"{args.material}@{n}" for n in args.needle_lengths)]
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
     done = {(r["part"], r["item"]): r for r in read_rows(rows_path)}
     meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
             "host": host_info().get("cpu", ""), "target": args.target, "method": args.method,
-            "copy_prior": args.copy_prior, "max_new_tokens": args.max_new_tokens, "scorers": args.scorers,
-            "keep": args.keep, "budgets": args.budgets, "code_start": args.code_start}
+            "copy_prior": args.copy_prior, "max_new_tokens": args.max_new_tokens, **meta}
+    return parts, rows_path, done, meta
+
+
+def part_context(args, part: str, meta: dict, **settings) -> tuple[list, CachedContext, ItemRunner]:
+    """One part's items, and the plain translated path over its store (`settings`: CachedContext fields)."""
+    items = items_of(part, 0, args.target, args.needles)
+    stores = args.needle_stores if "@" in part else args.stores
+    store = part_store(part, items, args.source, stores, args.out)
+    ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, translation_cache_mb=0,
+                        max_new_tokens=args.max_new_tokens, min_retention=0, **settings)
+    meta["artifact"] = getattr(ctx.active_mapper, "artifact_id", args.method)
+    return items, ctx, ItemRunner(ctx, {}, max_new_tokens=args.max_new_tokens)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_probe_args(ap, needle_lengths=[1024, 4096], needles=12)
+    ap.add_argument("--scorers", nargs="+", choices=SCORERS, default=list(SCORERS))
+    ap.add_argument("--keep", type=int, nargs="*", default=[1, 2], help="how many of the best chunks to place")
+    ap.add_argument("--budgets", type=int, nargs="*", default=[], help="also: the best chunks within this many "
+                    "target tokens (the best one always)")
+    ap.add_argument("--code-start", action="store_true", help="every variant's prior with TextCopyPrior.code_start")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    parts, rows_path, done, meta = probe_run(args, scorers=args.scorers, keep=args.keep, budgets=args.budgets,
+                                             code_start=args.code_start)
     for part in parts:
-        items = items_of(part, 0, args.target, args.needles)
-        stores = args.needle_stores if "@" in part else args.stores
-        store = part_store(part, items, args.source, stores, args.out)
         # translated_focus_tokens=0: the query path places what it is given; this script chooses the chunks
-        ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, translation_cache_mb=0,
-                            max_new_tokens=args.max_new_tokens, min_retention=0, translated_focus_tokens=0)
-        runner = ItemRunner(ctx, {}, max_new_tokens=args.max_new_tokens)
-        meta["artifact"] = getattr(ctx.active_mapper, "artifact_id", args.method)
+        items, ctx, runner = part_context(args, part, meta, translated_focus_tokens=0)
         with Progress(f"focus: {part}", total=len(items), unit="items", interval_s=20) as bar:
             for item in items:
                 if (part, item.id) in done:

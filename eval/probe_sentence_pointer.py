@@ -32,19 +32,15 @@ import argparse
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cag.context import CachedContext  # noqa: E402
 from cag.progress import Progress  # noqa: E402
-from eval.calibrate_copy_prior import append_row, part_store, read_rows, write_summary  # noqa: E402
+from eval.calibrate_copy_prior import append_row, read_rows, write_summary  # noqa: E402
 from eval.eval_chunk_dtype import paired_delta  # noqa: E402
-from eval.harness import ItemRunner, host_info  # noqa: E402
-from eval.probe_focus import answer  # noqa: E402
-from eval.probe_pointer import items_of  # noqa: E402
+from eval.probe_focus import add_probe_args, answer, part_context, probe_run  # noqa: E402
 
 
 def summarize(rows: list[dict], parts: list[str], ks: list[str]) -> list[dict]:
@@ -116,22 +112,11 @@ def ablation(outs: list[Path], variants: list[str], steps: list[tuple[str, str]]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", default="smollm2-135m")
-    ap.add_argument("--target", default="qwen2.5-0.5b")
-    ap.add_argument("--method", default="bottleneck")
-    ap.add_argument("--parts", nargs="*", default=["lookups", "codes", "essays"])
-    ap.add_argument("--needle-lengths", type=int, nargs="*", default=[1024, 2048, 4096])
-    ap.add_argument("--needles", type=int, default=24, help="needles per length")
-    ap.add_argument("--material", default="codes", help="what the needles ask for: codes or wordcodes "
-                    "(eval.calibration_lookup.NEEDLE_MATERIALS)")
+    add_probe_args(ap, needle_lengths=[1024, 2048, 4096], needles=24)
     ap.add_argument("--sentences", nargs="+", default=["0", "1", "2", "3"],
                     help="variants: k (CachedContext.pointer_sentences), with suffixes q: pointer_skips_question, "
                     "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops; the first "
                     "is the baseline")
-    ap.add_argument("--copy-prior", type=float, default=0.5)
-    ap.add_argument("--max-new-tokens", type=int, default=16, help="the gate's budget")
-    ap.add_argument("--stores", type=Path, help="a calibrate_copy_prior.py OUT whose store-<part> to reuse")
-    ap.add_argument("--needle-stores", type=Path, help="a probe_focus.py OUT whose store-MATERIAL@L to reuse")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ablation", type=Path, nargs="+", help="print one table over these runs' rows "
                     "(variants: --sentences; steps: each variant against the first, and --steps) and stop")
@@ -146,22 +131,10 @@ def main(argv=None) -> int:
         return 0
     if args.out is None:
         ap.error("--out is required (unless --ablation)")
-    parts = [*args.parts, *(f"{args.material}@{n}" for n in args.needle_lengths)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows_path = args.out / "rows.jsonl"
-    done = {(r["part"], r["item"]): r for r in read_rows(rows_path)}
-    meta = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "host": host_info().get("cpu", ""), "target": args.target, "method": args.method,
-            "copy_prior": args.copy_prior, "max_new_tokens": args.max_new_tokens, "sentences": args.sentences}
+    parts, rows_path, done, meta = probe_run(args, sentences=args.sentences)
     for part in parts:
-        items = items_of(part, 0, args.target, args.needles)
-        stores = args.needle_stores if "@" in part else args.stores
-        store = part_store(part, items, args.source, stores, args.out)
-        # the served path: the target's focus budget and code start; only pointer_sentences varies
-        ctx = CachedContext(store=store, target=args.target, mapper=args.method, top_k=4, translation_cache_mb=0,
-                            max_new_tokens=args.max_new_tokens, min_retention=0)
-        runner = ItemRunner(ctx, {}, max_new_tokens=args.max_new_tokens)
-        meta["artifact"] = getattr(ctx.active_mapper, "artifact_id", args.method)
+        # the served path: the target's focus budget and code start; only the first token's rules vary
+        items, ctx, runner = part_context(args, part, meta)
         with Progress(f"sentence pointer: {part}", total=len(items), unit="items", interval_s=20) as bar:
             for item in items:
                 # a row answered under other variants gets only the missing ones: the item's last row wins

@@ -1,0 +1,33 @@
+"""eval/probe_sentence_pointer.py's bookkeeping: the ablation table over several runs' rows, paired per item."""
+
+import json
+
+import pytest
+
+from eval.probe_sentence_pointer import ablation, main
+
+
+def rows(path, items):
+    path.mkdir()
+    lines = [json.dumps({"part": part, "item": item, "answers": ["x"],
+                         "by_k": {k: {"answer": "", "found": f, "f1": f} for k, f in found.items()}})
+             for part, item, found in items]
+    (path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_ablation_counts_found_per_part_and_pairs_each_step(tmp_path):
+    rows(tmp_path / "a", [("lookups", "i1", {"0": 1, "1qae": 0}), ("lookups", "i2", {"0": 0, "1qae": 1}),
+                          ("lookups", "i1", {"0": 1, "1qae": 1})])          # a rerun's row: the last one wins
+    rows(tmp_path / "b", [("codes@1024", "n1", {"0": 0, "1qae": 1}), ("codes@1024", "n2", {"0": 1})])  # no 1qae
+    table = ablation([tmp_path / "a", tmp_path / "b"], ["0", "1qae"], [("0", "1qae")])
+    assert "| lookups | 2 | 1 | 2 |" in table
+    assert "| codes@1024 | 1 | 0 | 1 |" in table                           # n2 lacks a variant: left out
+    assert "| all | 3 | 1 | 3 |" in table
+    assert "| 0 → 1qae | 2 | 0 |" in table
+
+
+def test_unknown_variant_letters_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--sentences", "0", "1cqae", "--out", str(tmp_path)])         # the retired chunk scope
+    with pytest.raises(SystemExit):
+        main(["--sentences", "0"])                                           # a run needs --out
