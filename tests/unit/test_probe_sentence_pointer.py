@@ -23,6 +23,7 @@ def test_the_ablation_counts_found_per_part_and_pairs_each_step(tmp_path):
     assert "| lookups | 2 | 1 | 2 |" in table
     assert "| codes@1024 | 1 | 0 | 1 |" in table                           # n2 lacks a variant: left out
     assert "| all | 3 | 1 | 3 |" in table
+    assert "| F1 (mean, all) | 3 | 0.333 | 1.000 |" in table
     assert "| 0 → 1qae | 2 | 0 |" in table
 
 
