@@ -210,16 +210,7 @@ def _code_goes_on(last: str, rest: str) -> bool:
 
 # Where the answer stands inside a word of the context, the model's wish to stop is mixed like any other
 # token's (eval/results/copy_prior/README.md measures each rule).
-def _clause_goes_on(last: str, rest: str) -> bool:
-    """Inside a clause: the context goes on with a word or a code, not with punctuation or a line's end
-    ("supply| and demand" goes on, "supply and demand|." does not)."""
-    if "\n" in rest[:1] or (last.isspace() and "\n" in last):
-        return False
-    head = rest.lstrip(" ")
-    return bool(head) and (head[0].isalnum() or _code_goes_on(last, rest))
-
-
-WORD_RULES = {"letters": _letters_go_on, "code": _code_goes_on, "clause": _clause_goes_on}
+WORD_RULES = {"letters": _letters_go_on, "code": _code_goes_on}
 
 
 _SPELLINGS: "weakref.WeakKeyDictionary[Any, tuple[dict[str, int], int]]" = weakref.WeakKeyDictionary()

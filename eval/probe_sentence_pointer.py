@@ -17,9 +17,8 @@ the first token, where it starts a word the pointer chose, copies that word to i
 (`TextCopyPrior.anchor_pointer`): a first piece such as "pr" otherwise continues from any of its occurrences.
 A "c" suffix kept the k best sentences' whole chunks (`pointer_scope="chunk"`, measured at commit 300ffcb and
 retired: fewer found). With an "e" suffix a chunk's text that ends at a full stop ends the answer copied up to it
-(`TextCopyPrior.end_stops`). With an "s" suffix the model may not stop while the copied answer stands inside a
-clause of the context (`TextCopyPrior(words="clause")`, against "code", served): free answers stopped a word
-early ("supply" for supply and demand, "10" for 10 million).
+(`TextCopyPrior.end_stops`). An "s" suffix kept the model from stopping inside a clause of the context
+(`TextCopyPrior(words="clause")`, measured at commit 6bdeae9 and retired: more found, lower F1).
 
 Each item is answered once per k on the served plain path (`CachedContext.prepare`: focus, copy prior 0.5,
 pointer head, the code start), nothing else changed. Items: the gate's calibration parts (30 lookups, 24 codes,
@@ -119,16 +118,15 @@ def main(argv=None) -> int:
     add_probe_args(ap, needle_lengths=[1024, 2048, 4096], needles=24)
     ap.add_argument("--sentences", nargs="+", default=["0", "1", "2", "3"],
                     help="variants: k (CachedContext.pointer_sentences), with suffixes q: pointer_skips_question, "
-                    "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops, s: TextCopyPrior(words='clause'); "
-                    "the first is the baseline")
+                    "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops; the first is the baseline")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ablation", type=Path, nargs="+", help="print one table over these runs' rows "
                     "(variants: --sentences; steps: each variant against the first, and --steps) and stop")
     ap.add_argument("--steps", nargs="*", default=[], help="A>B pairs for --ablation")
     args = ap.parse_args(argv)
-    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?s?", v)]
-    if bad and not args.ablation:  # the ablation reads old rows too ("1cqae": the retired chunk scope)
-        ap.error(f"variants are k followed by any of q, a, e, s in that order, got {bad}")
+    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?", v)]
+    if bad and not args.ablation:  # the ablation reads old rows too (c, s: the retired chunk scope and clause)
+        ap.error(f"variants are k followed by any of q, a, e in that order, got {bad}")
     if args.ablation:
         steps = [(args.sentences[0], v) for v in args.sentences[1:]] + [tuple(s.split(">")) for s in args.steps]
         print(ablation(args.ablation, args.sentences, steps), end="")
@@ -152,7 +150,7 @@ def main(argv=None) -> int:
                 for k in missing:
                     ctx.pointer_sentences, ctx.pointer_skips_question = int(re.match(r"\d+", k)[0]), "q" in k
                     row["by_k"][k] = answer(runner, ctx, item, hits, args.copy_prior, anchor_pointer="a" in k,
-                                            end_stops="e" in k, words="clause" if "s" in k else "code")
+                                            end_stops="e" in k)
                 append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)

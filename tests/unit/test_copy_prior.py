@@ -116,25 +116,6 @@ def test_the_code_rule_keeps_a_code_whole_through_its_inner_punctuation(tiny):
         TextCopyPrior([text], tok, 0.5, words="sentences")
 
 
-def test_the_clause_rule_keeps_a_copied_answer_going_to_the_clauses_end(tiny):
-    from cag.copy_prior import TextCopyPrior
-
-    tok = tiny.tokenizer
-    stop = 0
-    text = "Prices follow supply and demand. The vault's code is 60.836.86, they said"
-    logits = torch.full((len(tok),), -5.0)
-    logits[stop] = 5.0                                                 # the model is sure the answer is done
-    clause = TextCopyPrior([text], tok, 0.5, stop_ids=[stop], words="clause")
-    code = TextCopyPrior([text], tok, 0.5, stop_ids=[stop])
-
-    def stops(prior, answer):
-        return int(prior(logits.clone(), tok(answer, add_special_tokens=False)["input_ids"]).argmax()) == stop
-
-    assert stops(code, "supply") and not stops(clause, "supply")       # " and demand" goes on
-    assert stops(clause, "supply and demand")                          # "." ends the clause
-    assert not stops(clause, "60.836") and stops(clause, "60.836.86")  # a code, then ","
-    assert stops(clause, "they said")                                  # the text's end
-
 
 def test_a_pointer_starts_the_answer_where_the_text_it_points_at_starts(tiny):
     from cag.copy_prior import TextCopyPrior
