@@ -525,10 +525,10 @@ class CachedContext(BaseModel):
                 layer, head, first_weight = pointer
                 k = self.pointer_sentences if self.pointer_sentences is not None else rules.sentences
                 skip = self.pointer_skips_question if self.pointer_skips_question is not None else rules.skip_question
+                sentences = self._best_sentences(question, used, k) if k else None  # the index only, no forward
                 with asm.model_lock:
                     first = pointer_starts(asm, chunks, texts, question_ids, layer, head, chat=asm.layout.chat,
-                                           sentences=self._best_sentences(question, used, k) if k else None,
-                                           skip=question_words(question) if skip else frozenset())
+                                           sentences=sentences, skip=question_words(question) if skip else frozenset())
             copy_prior = TextCopyPrior(texts, lm.tokenizer, weight, stop_ids=sorted(stop_token_ids(lm.tokenizer)),
                                        first=first, first_weight=first_weight, chat=asm.layout.chat,
                                        code_start=plain and rules.code_start, anchor_pointer=plain and rules.anchor,
