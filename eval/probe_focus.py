@@ -71,7 +71,8 @@ def chunk_scores(scores: list[list[float]]) -> list[float]:
 
 
 def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, code_start: bool = False,
-           anchor_pointer: bool | None = None, end_stops: bool | None = None) -> dict:
+           anchor_pointer: bool | None = None, end_stops: bool | None = None,
+           first_weight: float | None = None) -> dict:
     lm = runner.lm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -83,6 +84,8 @@ def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, co
         prepared.copy_prior.anchor_pointer = anchor_pointer  # likewise (TextCopyPrior.anchor_pointer)
     if end_stops is not None and prepared.copy_prior is not None:
         prepared.copy_prior.end_stops = end_stops  # likewise (TextCopyPrior.end_stops)
+    if first_weight is not None and prepared.copy_prior is not None:
+        prepared.copy_prior.first_weight = first_weight  # likewise (the pointer's weight on the first token)
     gen = generate(lm.model, lm.tokenizer, copy.deepcopy(prepared.cache), prepared.question_ids,
                    max_new_tokens=runner.max_new_tokens, stop_ids=stop_token_ids(lm.tokenizer),
                    first_logits=prepared.first_logits, copy_prior=prepared.copy_prior)

@@ -18,7 +18,8 @@ the first token, where it starts a word the pointer chose, copies that word to i
 A "c" suffix kept the k best sentences' whole chunks (`pointer_scope="chunk"`, measured at commit 300ffcb and
 retired: fewer found). With an "e" suffix a chunk's text that ends at a full stop ends the answer copied up to it
 (`TextCopyPrior.end_stops`). An "s" suffix kept the model from stopping inside a clause of the context
-(`TextCopyPrior(words="clause")`, measured at commit 6bdeae9 and retired: more found, lower F1).
+(`TextCopyPrior(words="clause")`, measured at commit 6bdeae9 and retired: more found, lower F1). A suffix "@W"
+sets the pointer's weight on the first token (served: 0.4, `pointer_heads.json`).
 
 Each item is answered once per k on the served plain path (`CachedContext.prepare`: focus, copy prior 0.5,
 pointer head, the code start), nothing else changed. Items: the gate's calibration parts (30 lookups, 24 codes,
@@ -118,15 +119,16 @@ def main(argv=None) -> int:
     add_probe_args(ap, needle_lengths=[1024, 2048, 4096], needles=24)
     ap.add_argument("--sentences", nargs="+", default=["0", "1", "2", "3"],
                     help="variants: k (CachedContext.pointer_sentences), with suffixes q: pointer_skips_question, "
-                    "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops; the first is the baseline")
+                    "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops, @W: the pointer's weight on the "
+                    "first token (served: pointer_heads.json's); the first is the baseline")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ablation", type=Path, nargs="+", help="print one table over these runs' rows "
                     "(variants: --sentences; steps: each variant against the first, and --steps) and stop")
     ap.add_argument("--steps", nargs="*", default=[], help="A>B pairs for --ablation")
     args = ap.parse_args(argv)
-    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?", v)]
+    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?(@[0-9.]+)?", v)]
     if bad and not args.ablation:  # the ablation reads old rows too (c, s: the retired chunk scope and clause)
-        ap.error(f"variants are k followed by any of q, a, e in that order, got {bad}")
+        ap.error(f"variants are k followed by any of q, a, e in that order, then @W, got {bad}")
     if args.ablation:
         steps = [(args.sentences[0], v) for v in args.sentences[1:]] + [tuple(s.split(">")) for s in args.steps]
         print(ablation(args.ablation, args.sentences, steps), end="")
@@ -149,8 +151,9 @@ def main(argv=None) -> int:
                 hits = runner.hits_for(item)
                 for k in missing:
                     ctx.pointer_sentences, ctx.pointer_skips_question = int(re.match(r"\d+", k)[0]), "q" in k
+                    weight = float(k.split("@")[1]) if "@" in k else None
                     row["by_k"][k] = answer(runner, ctx, item, hits, args.copy_prior, anchor_pointer="a" in k,
-                                            end_stops="e" in k)
+                                            end_stops="e" in k, first_weight=weight)
                 append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)

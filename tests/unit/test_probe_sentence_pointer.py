@@ -31,4 +31,6 @@ def test_unknown_variant_letters_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["--sentences", "0", "1cqae", "--out", str(tmp_path)])         # the retired chunk scope
     with pytest.raises(SystemExit):
+        main(["--sentences", "0", "1qae@x", "--out", str(tmp_path)])        # a weight is a number
+    with pytest.raises(SystemExit):
         main(["--sentences", "0"])                                           # a run needs --out
