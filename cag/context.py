@@ -515,7 +515,7 @@ class CachedContext(BaseModel):
             from cag.copy_prior import TextCopyPrior, pointer_head, pointer_rules, pointer_starts, question_words
             from cag.generate import stop_token_ids
 
-            texts, first, first_weight = [h.text for h in used], None, None
+            texts, first, first_weight, sentences = [h.text for h in used], None, None, None
             pointer, rules = pointer_head(lm.fingerprint.id), pointer_rules(lm.fingerprint.id)
             # The pointer head and its rules were chosen on the plain translated path: not on the target's own
             # chunks (they start right) nor where a recompute changed what the question reads.
@@ -525,14 +525,15 @@ class CachedContext(BaseModel):
                 layer, head, first_weight = pointer
                 k = self.pointer_sentences if self.pointer_sentences is not None else rules.sentences
                 skip = self.pointer_skips_question if self.pointer_skips_question is not None else rules.skip_question
-                sentences = self._best_sentences(question, used, k) if k else None  # the index only, no forward
+                sentences = self._best_sentences(question, used, k, rules.wrapped) if k else None  # no forward
                 with asm.model_lock:
                     first = pointer_starts(asm, chunks, texts, question_ids, layer, head, chat=asm.layout.chat,
                                            sentences=sentences, skip=question_words(question) if skip else frozenset())
             copy_prior = TextCopyPrior(texts, lm.tokenizer, weight, stop_ids=sorted(stop_token_ids(lm.tokenizer)),
                                        first=first, first_weight=first_weight, chat=asm.layout.chat,
                                        code_start=plain and rules.code_start, anchor_pointer=plain and rules.anchor,
-                                       end_stops=plain and rules.end_stops)
+                                       end_stops=plain and rules.end_stops,
+                                       sentence_stops=sentences if rules.sentence_stops else None)
             if first is not None:  # the head's read and its starts' spelling: before the first token, so TTFT
                 timings.point = time.perf_counter() - t
         return Prepared(placed.cache, question_ids, answer, t0, (placed.prefix_tokens, placed.context_ids.numel()),
@@ -603,16 +604,17 @@ class CachedContext(BaseModel):
                          f"caches lose lookups over longer context (translated_focus_tokens={budget}; 0 reads all)")
         return [hits[i] for i in keep]
 
-    def _best_sentences(self, question: str, used: list[Any], k: int) -> list[list[tuple[int, int]]]:
+    def _best_sentences(self, question: str, used: list[Any], k: int,
+                        wrapped: bool = False) -> list[list[tuple[int, int]]]:
         """Per used chunk, the spans of the `k` sentences the retriever finds closest to the question (the index's
-        sentence vectors: no model forward)."""
+        sentence vectors: no model forward); `wrapped`: each read whole across line wraps."""
         from cag import selection
 
         _, index = self._current_view()
         texts = [h.text for h in used]
         scores = selection.retriever_sentence_scores(index.embed, texts, question,
                                                      [index.sentence_vectors(h.key) for h in used])
-        return selection.best_sentences(texts, scores, k)
+        return selection.best_sentences(texts, scores, k, wrapped=wrapped)
 
     def _copy_prior(self, decision: GateDecision) -> float:
         """The copy prior's weight to decode with: the caller's, else the one the served path was measured with."""

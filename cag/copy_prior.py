@@ -64,7 +64,7 @@ class TextCopyPrior:
                  max_chars: int = 64, stop_ids: Sequence[int] = (), words: str = "code",
                  first: dict[str, float] | None = None, first_weight: float | None = None,
                  code_start: bool = False, chat: bool = True, anchor_pointer: bool = False,
-                 end_stops: bool = False) -> None:
+                 end_stops: bool = False, sentence_stops: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"copy prior weight must be in [0, 1], got {weight}")
         if not 1 <= min_chars <= max_chars:
@@ -74,7 +74,11 @@ class TextCopyPrior:
         self.weight, self.min_chars, self.max_chars = float(weight), int(min_chars), int(max_chars)
         self._goes_on = WORD_RULES[words]
         self.stop_ids = sorted(set(int(i) for i in stop_ids))
-        self._texts = [t for t in texts if t]
+        # `sentence_stops`: per text, the spans of the sentences the pointer chose from; an answer copied up to one's
+        # final punctuation ends there as at a chunk's end (`end_stops`): the pointer chose within that sentence
+        ends = list(sentence_stops) if sentence_stops is not None else [()] * len(texts)
+        kept = [(t, frozenset(e for _, e in spans)) for t, spans in zip(texts, ends) if t]
+        self._texts, self._sentence_ends = [t for t, _ in kept], [e for _, e in kept]
         self._tokenizer = tokenizer
         self._vocab: dict[str, int] | None = None  # built at the second answer token, after the first is out
         self._longest = 0
@@ -131,13 +135,20 @@ class TextCopyPrior:
         if self._vocab is None:  # once per tokenizer (`_spellings`), never before the first token is chosen
             self._vocab, self._longest = _spellings(self._tokenizer)
         suffix, found, inside = text[-n:], {}, True
-        for t in self._texts:
+        for t, sentence_ends in zip(self._texts, self._sentence_ends):
             at = t.find(suffix)
             while at >= 0:
                 rest = t[at + n: at + n + self._longest]
-                if not rest and self.end_stops and self.stop_ids and suffix[-1:] in ".!?":
+                # a copied token does not cross a best sentence's end (".People" of "speeds.People"), so the
+                # answer can stand at it, and there it proposes only the end: the pointer chose within that sentence
+                rest = rest[:min((e - at - n for e in sentence_ends if e > at + n), default=len(rest))]
+                sentence_end = at + n in sentence_ends
+                if (sentence_end or (not rest and self.end_stops)) and self.stop_ids and suffix[-1:] in ".!?":
                     found[self.stop_ids[0]] = found.get(self.stop_ids[0], 0) + 1
                     inside = False
+                    if sentence_end:
+                        at = t.find(suffix, at + 1)
+                        continue
                 token = self._first_token(rest)
                 if token is not None:
                     found[token] = found.get(token, 0) + 1
@@ -282,10 +293,14 @@ class PointerRules:
     - `sentences`: the pointer chooses among the words of the retriever's k best sentences (0: anywhere; the
       whole chunks that hold them found less, eval/results/sentence_pointer, measured at commit 300ffcb);
     - `skip_question`: ...and never a word of the question;
+    - `wrapped`: a best sentence is read whole across the text's line wraps (`cag.selection.best_sentences`);
+    - `sentence_stops`: an answer copied to the end of a best sentence ends there (`TextCopyPrior.sentence_stops`);
     - `code_start`, `anchor`, `end_stops`: `TextCopyPrior`'s rules of those names (`anchor` is `anchor_pointer`).
     """
     sentences: int = 0
     skip_question: bool = False
+    wrapped: bool = False
+    sentence_stops: bool = False
     code_start: bool = False
     anchor: bool = False
     end_stops: bool = False
@@ -294,6 +309,7 @@ class PointerRules:
 def pointer_rules(fingerprint_id: str, path: Path | None = None) -> PointerRules:
     entry = _pointer_file(path or POINTER_FILE).get(fingerprint_id) or {}
     return PointerRules(sentences=int(entry.get("sentences", 0)), skip_question=bool(entry.get("skip_question")),
+                        wrapped=bool(entry.get("wrapped")), sentence_stops=bool(entry.get("sentence_stops")),
                         code_start=bool(entry.get("code_start")), anchor=bool(entry.get("anchor")),
                         end_stops=bool(entry.get("end_stops")))
 
@@ -325,9 +341,13 @@ def pointer_starts(assembler, chunks: Sequence[Any], texts: Sequence[str], quest
         for i, (a, _) in enumerate(chunk.offsets.tolist()):
             if not (a == 0 or text[a].isspace() or text[a - 1].isspace()):
                 continue  # inside a word
-            if allowed is not None and not any(s <= a < e for s, e in allowed):
+            # where the word's first letter is: a token that carries the space before it (" Google") starts
+            # outside its sentence's span, which is trimmed, and a sentence's first word would never count
+            ahead = text[a:a + 65]
+            letter = a + len(ahead) - len(ahead.lstrip())
+            if allowed is not None and not any(s <= letter < e for s, e in allowed):
                 continue  # outside the sentences the retriever chose
-            words = text[a:a + 65].split(maxsplit=1)
+            words = ahead.split(maxsplit=1)
             if words and skip and bare_word(words[0]) in skip:
                 continue
             if words:

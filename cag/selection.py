@@ -46,6 +46,7 @@ with all four chunks native).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -296,11 +297,39 @@ def source_retriever_spans(source_assembler, source_chunks: Sequence[KVChunk], t
     return _choose(target_chunks, texts, fused_sentence_scores(source, retriever), budget_tokens)
 
 
-def best_sentences(texts: Sequence[str], scores: Sequence[Sequence[float]], k: int) -> list[list[tuple[int, int]]]:
-    """Per chunk, the character spans (`sentence_spans`) of the `k` best-scored sentences over all chunks."""
+def best_sentences(texts: Sequence[str], scores: Sequence[Sequence[float]], k: int, *,
+                   wrapped: bool = False) -> list[list[tuple[int, int]]]:
+    """Per chunk, the character spans (`sentence_spans`) of the `k` best-scored sentences over all chunks.
+
+    `wrapped`: each is widened to the whole sentence its line belongs to (`wrapped_sentence`). `sentence_spans`
+    ends a sentence at every newline, as the index embeds them, so in hard-wrapped text ("...a company called\n
+    Cybercash,\nsince...") the best-scored piece is a line, and the fact often stands on the next one."""
     flat = sorted(((v, c, s) for c, row in enumerate(scores) for s, v in enumerate(row)), key=lambda x: -x[0])
     chosen = {(c, s) for _, c, s in flat[:k]}
-    return [[span for s, span in enumerate(sentence_spans(t)) if (c, s) in chosen] for c, t in enumerate(texts)]
+    out = []
+    for c, text in enumerate(texts):
+        spans = sentence_spans(text)
+        mine = [s for s in range(len(spans)) if (c, s) in chosen]
+        out.append([wrapped_sentence(text, spans, s) if wrapped else spans[s] for s in mine])
+    return out
+
+
+_ENDS_SENTENCE = re.compile(r"[.!?][\"')\]]*$")
+
+
+def wrapped_sentence(text: str, spans: Sequence[tuple[int, int]], s: int) -> tuple[int, int]:
+    """The span of `spans[s]` joined with its neighbours across line wraps: a piece that does not end in
+    sentence punctuation goes on with the next when only one newline lies between them (a blank line is a
+    paragraph's end)."""
+    def joined(i: int) -> bool:  # spans[i] goes on with spans[i + 1]
+        a, b = spans[i][1], spans[i + 1][0]
+        return not _ENDS_SENTENCE.search(text[spans[i][0]:a]) and text.count("\n", a, b) == 1
+    first, last = s, s
+    while first > 0 and joined(first - 1):
+        first -= 1
+    while last + 1 < len(spans) and joined(last):
+        last += 1
+    return spans[first][0], spans[last][1]
 
 
 def retriever_sentence_scores(embed: Callable[[list[str]], torch.Tensor], texts: Sequence[str], question: str,

@@ -17,7 +17,11 @@ the first token, where it starts a word the pointer chose, copies that word to i
 (`TextCopyPrior.anchor_pointer`): a first piece such as "pr" otherwise continues from any of its occurrences.
 A "c" suffix kept the k best sentences' whole chunks (`pointer_scope="chunk"`, measured at commit 300ffcb and
 retired: fewer found). With an "e" suffix a chunk's text that ends at a full stop ends the answer copied up to it
-(`TextCopyPrior.end_stops`). An "s" suffix kept the model from stopping inside a clause of the context
+(`TextCopyPrior.end_stops`). With a "w" suffix each best sentence is read whole across the text's line wraps
+(`PointerRules.wrapped`, `cag.selection.wrapped_sentence`): the index's sentences end at every newline, so in
+hard-wrapped essays the best one is a line and the answer often stands on the next. With a "t" suffix an
+answer copied up to a best sentence's final punctuation ends there (`PointerRules.sentence_stops`), as "e" ends
+it at a chunk's. An "s" suffix kept the model from stopping inside a clause of the context
 (`TextCopyPrior(words="clause")`, measured at commit 6bdeae9 and retired: more found, lower F1). A suffix "@W"
 sets the pointer's weight on the first token (served: 0.4, `pointer_heads.json`).
 
@@ -31,6 +35,8 @@ item's last row wins); summary: OUT/summary.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import re
 import sys
@@ -39,10 +45,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import cag.copy_prior  # noqa: E402
 from cag.progress import Progress  # noqa: E402
 from eval.calibrate_copy_prior import append_row, read_rows, write_summary  # noqa: E402
 from eval.eval_chunk_dtype import paired_delta  # noqa: E402
 from eval.probe_focus import add_probe_args, answer, part_context, probe_run  # noqa: E402
+
+
+@contextlib.contextmanager
+def rules_as(**fields):
+    """The served `PointerRules` with `fields` set as the variant asks (the context reads them per query)."""
+    served = cag.copy_prior.pointer_rules
+    cag.copy_prior.pointer_rules = lambda fingerprint_id, path=None: dataclasses.replace(
+        served(fingerprint_id, path), **fields)
+    try:
+        yield
+    finally:
+        cag.copy_prior.pointer_rules = served
 
 
 def summarize(rows: list[dict], parts: list[str], ks: list[str]) -> list[dict]:
@@ -119,16 +138,17 @@ def main(argv=None) -> int:
     add_probe_args(ap, needle_lengths=[1024, 2048, 4096], needles=24)
     ap.add_argument("--sentences", nargs="+", default=["0", "1", "2", "3"],
                     help="variants: k (CachedContext.pointer_sentences), with suffixes q: pointer_skips_question, "
-                    "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops, @W: the pointer's weight on the "
+                    "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops, w: PointerRules.wrapped, "
+                    "t: PointerRules.sentence_stops, @W: the pointer's weight on the "
                     "first token (served: pointer_heads.json's); the first is the baseline")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ablation", type=Path, nargs="+", help="print one table over these runs' rows "
                     "(variants: --sentences; steps: each variant against the first, and --steps) and stop")
     ap.add_argument("--steps", nargs="*", default=[], help="A>B pairs for --ablation")
     args = ap.parse_args(argv)
-    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?(@[0-9.]+)?", v)]
+    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?w?t?(@[0-9.]+)?", v)]
     if bad and not args.ablation:  # the ablation reads old rows too (c, s: the retired chunk scope and clause)
-        ap.error(f"variants are k followed by any of q, a, e in that order, then @W, got {bad}")
+        ap.error(f"variants are k followed by any of q, a, e, w, t in that order, then @W, got {bad}")
     if args.ablation:
         steps = [(args.sentences[0], v) for v in args.sentences[1:]] + [tuple(s.split(">")) for s in args.steps]
         print(ablation(args.ablation, args.sentences, steps), end="")
@@ -152,8 +172,9 @@ def main(argv=None) -> int:
                 for k in missing:
                     ctx.pointer_sentences, ctx.pointer_skips_question = int(re.match(r"\d+", k)[0]), "q" in k
                     weight = float(k.split("@")[1]) if "@" in k else None
-                    row["by_k"][k] = answer(runner, ctx, item, hits, args.copy_prior, anchor_pointer="a" in k,
-                                            end_stops="e" in k, first_weight=weight)
+                    with rules_as(wrapped="w" in k, sentence_stops="t" in k):
+                        row["by_k"][k] = answer(runner, ctx, item, hits, args.copy_prior, anchor_pointer="a" in k,
+                                                end_stops="e" in k, first_weight=weight)
                 append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)

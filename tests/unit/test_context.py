@@ -202,13 +202,15 @@ def test_a_pointer_head_starts_the_translated_paths_copy_prior(pair, monkeypatch
 
     # the target's calibrated rules reach the plain translated path's prior, and only it
     monkeypatch.setattr(cag.copy_prior, "pointer_rules", lambda fingerprint_id: cag.copy_prior.PointerRules(
-        sentences=1, skip_question=True, code_start=True, anchor=True, end_stops=True))
+        sentences=1, skip_question=True, code_start=True, anchor=True, end_stops=True, sentence_stops=True))
     ruled = prepared(large, str(tmp_path / "mapper")).copy_prior
     assert ruled.anchor_pointer and ruled.end_stops and ruled.code_start
+    assert sum(map(len, ruled._sentence_ends)) == 1           # the best sentence's end, where its answer ends
+    assert not any(within._sentence_ends)                     # the rule off: none
     assert set(ruled._word_mass) <= set(within._word_mass)    # the best sentence's words, the question's left out
     assert not {w.lower() for w in ruled._word_mass} & {"tower", "of", "velmora"}
     unruled = prepared(small, "identity").copy_prior
-    assert not (unruled.anchor_pointer or unruled.end_stops or unruled.code_start)
+    assert not (unruled.anchor_pointer or unruled.end_stops or unruled.code_start or any(unruled._sentence_ends))
 
 
 def test_the_plain_translated_path_reads_the_chunks_closest_to_the_question_within_its_budget(pair):

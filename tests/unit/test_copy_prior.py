@@ -193,6 +193,24 @@ def test_pointer_starts_weigh_the_words_a_head_attends_to(tiny):
     assert all(abs(skipped[w] - starts[w]) < 1e-6 for w in skipped)
 
 
+def test_a_sentences_first_word_counts_when_its_token_carries_the_space_before_it(tiny):
+    from cag.assembler import Assembler
+    from cag.copy_prior import pointer_starts
+    from cag.prompt import layout_for
+    from stores.chunker import sentence_spans
+
+    asm = Assembler(tiny, layout_for(tiny.tokenizer))
+    text = "The hut stands on the hill. stone keeps it. Goats graze."
+    chunk = tiny.prefill(text)
+    second = sentence_spans(text)[1]                          # trimmed: it starts at "s", after the space
+    assert text[slice(*second)] == "stone keeps it."
+    # the tiny tokenizers spell " s" as one token, as Qwen2.5 spells " Google": it starts outside the span
+    assert (second[0] - 1, second[0] + 1) in [tuple(o) for o in chunk.offsets.tolist()]
+    starts = pointer_starts(asm, [chunk], [text], asm.question_ids("Who keeps the hut?"), 1, 0,
+                            sentences=[[second]])
+    assert set(starts) == {"stone", "keeps", "it."}
+
+
 def test_the_pointer_file_names_a_head_and_its_weight(tmp_path):
     import json
 
@@ -209,10 +227,11 @@ def test_the_pointer_file_names_a_head_and_its_weight(tmp_path):
     chosen = tmp_path / "chosen.json"                                      # (files are read once per path)
     chosen.write_text(json.dumps({"fp": {"model": "m", "head": [16, 7], "weight": 0.4, "code_start": True,
                                          "sentences": 2, "skip_question": True, "anchor": True,
-                                         "end_stops": True}}))
+                                         "end_stops": True, "wrapped": True, "sentence_stops": True}}))
     assert pointer_head("fp", chosen) == (16, 7, 0.4)
-    assert pointer_rules("fp", chosen) == PointerRules(sentences=2, skip_question=True,
-                                                       code_start=True, anchor=True, end_stops=True)
+    assert pointer_rules("fp", chosen) == PointerRules(sentences=2, skip_question=True, wrapped=True,
+                                                       sentence_stops=True, code_start=True, anchor=True,
+                                                       end_stops=True)
     assert pointer_rules("other", chosen) == PointerRules()
 
 
@@ -247,3 +266,28 @@ def test_end_stops_end_an_answer_copied_to_a_chunks_final_full_stop(tiny):
     assert ended.continuations(answer) == {stops[0]: 1}
     cut = tok("them left", add_special_tokens=False)["input_ids"]                         # no full stop: no end
     assert ended.continuations(cut) == {}
+
+
+def test_sentence_stops_end_an_answer_at_its_best_sentences_end_and_no_token_crosses_it(tiny):
+    from cag.copy_prior import TextCopyPrior
+    from cag.generate import stop_token_ids
+    from stores.chunker import sentence_spans
+
+    tok = tiny.tokenizer
+    stops = sorted(stop_token_ids(tok))
+    text = "Good runners get tired at higher speeds.People who invent things are in the same position."
+    best = sentence_spans(text)[:1]                                       # "Good runners ... higher speeds."
+    assert text[slice(*best[0])].endswith("speeds.")
+    plain = TextCopyPrior([text], tok, 0.5, stop_ids=stops)
+    stopping = TextCopyPrior([text], tok, 0.5, stop_ids=stops, sentence_stops=[best])
+    to_end = tok("higher speeds.", add_special_tokens=False)["input_ids"]
+    assert stops[0] not in plain.continuations(to_end)                  # it runs on into "People"
+    assert stopping.continuations(to_end) == {stops[0]: 1}             # the sentence the pointer chose ends here
+    # one character short of the end: what is proposed spells no further than the sentence's end
+    short = tok("higher speeds", add_special_tokens=False)["input_ids"]
+    assert all(tok.decode([t]) == "."[:len(tok.decode([t]))] for t in stopping.continuations(short))
+    other = tok("same position.", add_special_tokens=False)["input_ids"]      # not a best sentence's end
+    assert stops[0] not in stopping.continuations(other)
+    # an empty text is dropped, its spans with it
+    assert TextCopyPrior(["", text], tok, 0.5, stop_ids=stops, sentence_stops=[[], best]).continuations(to_end) \
+        == stopping.continuations(to_end)

@@ -34,3 +34,18 @@ def test_unknown_variant_letters_are_refused(tmp_path):
         main(["--sentences", "0", "1qae@x", "--out", str(tmp_path)])        # a weight is a number
     with pytest.raises(SystemExit):
         main(["--sentences", "0"])                                           # a run needs --out
+
+
+def test_a_variant_sets_the_served_rules_it_names_and_restores_them(tmp_path):
+    import cag.copy_prior
+    from eval.probe_sentence_pointer import rules_as
+
+    chosen = tmp_path / "rules.json"
+    chosen.write_text(json.dumps({"fp": {"model": "m", "head": [1, 0], "weight": 0.4, "sentences": 1,
+                                         "anchor": True, "wrapped": True, "sentence_stops": True}}))
+    served = cag.copy_prior.pointer_rules
+    with rules_as(wrapped=False, sentence_stops=False):
+        inside = cag.copy_prior.pointer_rules("fp", chosen)
+    assert cag.copy_prior.pointer_rules is served
+    assert inside == cag.copy_prior.PointerRules(sentences=1, anchor=True)   # the rest as served
+    assert served("fp", chosen).wrapped and served("fp", chosen).sentence_stops

@@ -339,3 +339,22 @@ def test_best_sentences_are_the_k_best_scored_over_every_chunk():
     assert selection.best_sentences(texts, scores, 3) == [[other[1]], [doc[1], doc[3]]]  # in their order
     assert selection.best_sentences(texts, scores, 99) == [other, doc]
     assert selection.best_sentences(texts, scores, 0) == [[], []]
+
+
+def test_a_best_sentence_is_read_whole_across_line_wraps():
+    from stores.chunker import sentence_spans
+
+    text = ("Notice\nanything missing?  Google was founded that year. We paid via a company called\n"
+            "Cybercash,\nsince we had to.\n\nA new paragraph\nstarts here.")
+    spans = sentence_spans(text)
+    pieces = [text[s:e] for s, e in spans]
+    assert pieces[:5] == ["Notice", "anything missing?", "Google was founded that year.",
+                          "We paid via a company called", "Cybercash,"]   # the index's sentences end at lines
+    whole = [text[slice(*selection.wrapped_sentence(text, spans, i))] for i in range(len(spans))]
+    assert whole[0] == whole[1] == "Notice\nanything missing?"
+    assert whole[2] == "Google was founded that year."                    # ends at its full stop
+    assert whole[3] == whole[4] == whole[5] == "We paid via a company called\nCybercash,\nsince we had to."
+    assert whole[6] == whole[7] == "A new paragraph\nstarts here."      # a blank line ends a paragraph
+    scores = [[0.0, 0.0, 0.1, 0.9, 0.2, 0.0, 0.0, 0.0]]
+    assert selection.best_sentences([text], scores, 1) == [[spans[3]]]
+    assert selection.best_sentences([text], scores, 1, wrapped=True) == [[(spans[3][0], spans[5][1])]]
