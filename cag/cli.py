@@ -729,6 +729,8 @@ def bench_cmd(
                                                            "each ratio timed side by side.")] = None,
     stored: Annotated[bool, typer.Option("--stored", help="Also time each translated path reading translations "
                                          "stored before the clock (`cag store translate`).")] = False,
+    served: Annotated[bool, typer.Option("--served", help="Also time the plain translated path as served: focus at "
+                                         "the target's budget, the copy prior and its pointer head.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """TTFT: direct context vs native cache vs translated cache at 1K-8K context tokens."""
@@ -741,6 +743,7 @@ def bench_cmd(
     if crux is not None:
         argv += ["--crux", str(crux), "--crux-select", crux_select, "--crux-ratio", *map(str, crux_ratio or [1e-3])]
     argv += ["--stored"] if stored else []
+    argv += ["--served"] if served else []
     raise typer.Exit(bench_main(argv + (["--json"] if as_json else [])))
 
 

@@ -17,10 +17,15 @@ For each target and context length (1K, 2K, 4K, 8K target tokens of essay text):
   ``--crux-ratio`` values are timed side by side, each as its own condition (``+crux@15%``);
 - ``cache:<method>+stored`` (``--stored``): the same translations, made once before the clock
   starts (`cag store translate`, stored in the store's own format) and loaded at query time
-  (`CachedContext.stored_translations`); the report records what translating the store cost.
+  (`CachedContext.stored_translations`); the report records what translating the store cost;
+- ``cache:<method>+served`` (``--served``): the plain translated path as it answers when asked for (#11's
+  evaluation runs): focus at the target's calibrated budget, and the copy prior at 0.5, whose pointer head
+  (where the target has one) reads the placed context before the first token. With ``--stored`` also
+  ``+served+stored``.
 
-The plain translated paths place every chunk (`translated_focus_tokens=0`): served, they read at most 1024
-tokens of a longer context (README, "Focus"), which would time a shorter context than the others'.
+The other plain translated paths place every chunk (`translated_focus_tokens=0`): served, they read at most 1024
+tokens of a longer context (README, "Focus"), which would time a shorter context than the others'. ``+served``
+times exactly that: its context-tokens column says how much it read.
 
 Every condition takes the whole query path: an index search, chunk loads from
 disk, translation, assembly, the question prefill and the choice of the first
@@ -63,6 +68,7 @@ from cag.progress import Progress
 from eval.harness import host_info, host_line, measure_prefill_rate
 
 QUESTION = "What does the author say matters most here?"
+SERVED_COPY_PRIOR = 0.5  # the plain translated path's weight (`cag eval --copy-prior 0.5`, the gate's records)
 
 
 def essay_text() -> str:
@@ -106,7 +112,7 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
               work_dir: Path, chunk_tokens: int = 256, log=print, progress: Progress | None = None,
               prefill_rate_tokens: int = 1024, crux_key_scale: float | None = None,
               crux_select: str = "retriever_chunk", crux_ratios: Sequence[float] = (1e-3,),
-              stored: bool = False) -> dict:
+              stored: bool = False, served: bool = False) -> dict:
     """Rows per (target, length, condition), the cached paths' breakdowns, the host and prefill rates.
 
     `progress` advances once per round (one repeat of every condition at one length).
@@ -115,6 +121,8 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
     ratios: one condition each, named ``+crux@<percent>``.
     `stored`: also time each translated path reading translations stored before the clock (``+stored``;
     with a crux, ``+crux+stored`` too).
+    `served`: also time the plain translated path with focus and the copy prior as served (``+served``; with
+    `stored`, ``+served+stored`` too).
     """
     from cag.store_translation import translate_store
     from stores.build import build_store
@@ -164,6 +172,11 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                                          recompute_ratio=ratio, translated_key_scale=crux_key_scale)
                 for label, crux in cruxes.items():  # *_chunk below one chunk's share: exactly one chunk, whole
                     contexts[f"cache:{name}{label}"] = CachedContext(**crux, stored_translations=False)
+                # as #11's evaluation answers: the target's focus budget, the copy prior and its pointer head
+                as_served = dict(store=source_store, target=target, mapper=method, translation_cache_mb=0,
+                                 max_new_tokens=1, min_retention=0.0, copy_prior=SERVED_COPY_PRIOR)
+                if served:
+                    contexts[f"cache:{name}+served"] = CachedContext(**as_served, stored_translations=False)
                 if stored:  # translated once, off the clock, as a nightly build with --translate-for does
                     note(f"{target}: translating the store with {method}")
                     made = translate_store(source_store, ctx.target_model, mapper=method)
@@ -175,6 +188,9 @@ def run_bench(*, source: str, targets: list[str], lengths: list[int], methods: l
                         min_retention=0.0, stored_translations=True, translated_focus_tokens=0)
                     for label, crux in cruxes.items():
                         contexts[f"cache:{name}{label}+stored"] = CachedContext(**crux, stored_translations=True)
+                    if served:
+                        contexts[f"cache:{name}+served+stored"] = CachedContext(**as_served,
+                                                                                stored_translations=True)
         reference = contexts["native_cache"]
         lm, asm = reference.target_model, reference.assembler  # the model every path answers with
         note(f"{target}: measuring its prefill rate")
@@ -257,13 +273,13 @@ def render_markdown(report: dict) -> str:
         by.setdefault((b["target"], b["length"], b["condition"]), []).append(b["breakdown"])
     if by:
         lines += ["", "Breakdown of the cached paths (medians, seconds):", "",
-                  "| target | length | condition | load | translate | assemble | choose the crux | recompute | "
-                  "question prefill | first token |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| target | length | condition | load | translate | assemble | choose (crux, focus) | recompute | "
+                  "pointer | question prefill | first token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for (target, n, cond), items in by.items():
-            med = {k: statistics.median(i[k] for i in items) for k in items[0]}
+            med = {k: statistics.median(i.get(k, 0.0) for i in items) for k in items[0]}
             lines.append(f"| {target} | {n} | {cond} | {med['load']:.3f} | {med['translate']:.3f} | "
                          f"{med['assemble']:.3f} | {med['choose']:.3f} | {med['recompute']:.3f} | "
-                         f"{med['question_prefill']:.3f} | "
+                         f"{med.get('point', 0.0):.3f} | {med['question_prefill']:.3f} | "
                          f"{med['first_token']:.3f} |")
     if report.get("stored_translations"):
         lines += ["", "What the `+stored` paths' translations cost, once, before the clock (the whole store: "
@@ -316,6 +332,8 @@ def cag_bench_command(args: argparse.Namespace) -> str:
             parts += ["--crux-ratio", str(ratio)]
     if args.stored:
         parts.append("--stored")
+    if args.served:
+        parts.append("--served")
     return " ".join(parts)
 
 
@@ -338,6 +356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stored", action="store_true",
                         help="also time each translated path reading translations stored before the clock "
                              "(`cag store translate`; README, 'Stored translations')")
+    parser.add_argument("--served", action="store_true",
+                        help="also time the plain translated path as served: focus at the target's budget and the "
+                             "copy prior (its pointer head read before the first token)")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     return parser.parse_args(argv)
@@ -352,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             Progress("cag bench", rounds, unit="rounds") as bar:
         report = run_bench(source=args.source, targets=args.targets, lengths=args.lengths, methods=args.methods,
                            repeats=args.repeats, work_dir=Path(tmp), progress=bar, crux_key_scale=args.crux,
-                           crux_select=args.crux_select, crux_ratios=args.crux_ratio, stored=args.stored)
+                           crux_select=args.crux_select, crux_ratios=args.crux_ratio, stored=args.stored,
+                           served=args.served)
     report["run"] = {"command": cag_bench_command(args),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.platform()}, "
                      f"{os.cpu_count()} CPUs", "torch": torch.__version__, "threads": torch.get_num_threads(),

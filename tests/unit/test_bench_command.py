@@ -10,7 +10,7 @@ from cag.cli import app
 
 ARGV = ["--source", "smollm2-135m", "--repeats", "2", "--out", "out-dir", "--targets", "qwen2.5-0.5b", "gemma3-270m",
         "--lengths", "1024", "4096", "--methods", "bottleneck", "mot", "--crux", "0.5", "--crux-select",
-        "source_retriever", "--crux-ratio", "0.15", "0.2", "--stored"]
+        "source_retriever", "--crux-ratio", "0.15", "0.2", "--stored", "--served"]
 
 
 @pytest.mark.parametrize("argv", [ARGV, ARGV[:6] + ["--targets", "qwen2.5-0.5b", "--lengths", "4096",
