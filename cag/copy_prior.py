@@ -35,6 +35,7 @@ the gate's items changed (eval/results/copy_prior/README.md, "Entering a code at
 
 from __future__ import annotations
 
+import copy
 import json
 import weakref
 from collections.abc import Sequence
@@ -85,12 +86,9 @@ class TextCopyPrior:
         # The first token's copy distribution: where a pointer head of the target looks from the question's
         # last token (texts that start there → weight), each spelled by its tokenizer's first token.
         self.first_weight = self.weight if first_weight is None else float(first_weight)
-        self._first: dict[int, float] = {}
-        starts = [(text, w) for text, w in (first or {}).items() if w > 0]
         # `code_start` (see `_code_started`): the pointer's mass per word, to choose among codes; `chat`: the
         # layout's answers start without a space (else a word is spelled after one, as `pointer_starts` does)
         self.code_start, self._chat = bool(code_start), bool(chat)
-        self._word_mass = {text.strip().rstrip(_TRAILING): w for text, w in starts}
         self._anchor: str | None = None  # the code a `code_start` swap entered: copied to its end
         # `anchor_pointer`: a first token that starts a word the pointer chose copies that word to its end (the
         # pointer's favourite of those it starts), not whatever follows the token anywhere in the context
@@ -99,14 +97,29 @@ class TextCopyPrior:
         # answer's end (a stop token), not nothing: else a fact that closes its chunk runs on from any shorter
         # suffix ("lemon-canyon-90.90. 90.")
         self.end_stops = bool(end_stops)
+        self._point([(text, w) for text, w in (first or {}).items() if w > 0])
+
+    def _point(self, starts: list[tuple[str, float]]) -> None:
+        """The first token's copy distribution from the pointer's words and masses, each spelled by its first token."""
+        self._starts = starts
+        self._first: dict[int, float] = {}
+        self._word_mass = {text.strip().rstrip(_TRAILING): w for text, w in starts}
         self._pointer_word: dict[int, tuple[float, str]] = {}
         if starts:  # one batched call: a 4K context has thousands of word starts, read before the first token
-            encoded = tokenizer([text for text, _ in starts], add_special_tokens=False)["input_ids"]
+            encoded = self._tokenizer([text for text, _ in starts], add_special_tokens=False)["input_ids"]
             for ids, (text, w) in zip(encoded, starts):
                 if ids:
                     self._first[ids[0]] = self._first.get(ids[0], 0.0) + float(w)
                     if w > self._pointer_word.get(ids[0], (0.0, ""))[0]:
                         self._pointer_word[ids[0]] = (float(w), text.strip().rstrip(_TRAILING))
+
+    def evened(self) -> "TextCopyPrior":
+        """A twin, before any answer token, whose pointer gives each word it chose the same mass: the evaluation's
+        control for what the rules find from the chunks' text alone (`eval/harness.py`, ``copy_only``)."""
+        twin = copy.copy(self)
+        twin._anchor = None
+        twin._point([(text, 1.0 / len(self._starts)) for text, _ in self._starts])
+        return twin
 
     def continuations(self, generated: Sequence[int]) -> dict[int, int]:
         """The tokens that start what follows the answer's longest suffix in the chunks' text, with counts."""
@@ -294,7 +307,7 @@ class PointerRules:
       whole chunks that hold them found less, eval/results/sentence_pointer, measured at commit 300ffcb);
     - `skip_question`: ...and never a word of the question;
     - `wrapped`: a best sentence is read whole across the text's line wraps (`cag.selection.best_sentences`);
-    - `sentence_stops`: an answer copied to the end of a best sentence ends there (`TextCopyPrior.sentence_stops`);
+    - `sentence_stops`: an answer copied to the end of a best sentence ends there (`TextCopyPrior(sentence_stops=)`);
     - `code_start`, `anchor`, `end_stops`: `TextCopyPrior`'s rules of those names (`anchor` is `anchor_pointer`).
     """
     sentences: int = 0

@@ -7,7 +7,10 @@ For one question and one target model, with the chunks retrieved once:
 - ``native_cache`` (NCC): the target's own cache of each chunk, prefilled chunk by
   chunk and assembled: what chunk independence alone costs.
 - ``cache:<method>`` (TC): the store's source-model chunks, translated by a mapper
-  and assembled, through `CachedContext.prepare`, the path a query takes.
+  and assembled, through `CachedContext.prepare`, the path a query takes;
+- ``copy_only:<method>``, beside a TC that decodes with a copy prior: a control, the same copy prior
+  (the chunks' text, the pointer's words at equal mass) over no context's cache. What the decoding
+  rules find without any context cache.
 
 Each condition is measured twice from its context cache (copied, as a forward
 extends a cache in place): once teacher-forcing the gold answer after the
@@ -22,7 +25,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ from cag.generate import generate, last_logits, stop_token_ids
 from eval import metrics
 
 NO_CONTEXT, DIRECT, NATIVE = "no_context", "direct", "native_cache"
+COPY_ONLY = "copy_only"  # the copy prior's rules with no context cache: a control beside each translated condition
 
 # Any text costs the same to prefill (dense attention): a fixed filler keeps the
 # measured rate independent of datasets and of optional packages.
@@ -265,10 +269,17 @@ class ItemRunner:
                 DIRECT: self._text_run(item, hits, with_context=True)}
 
     def cache_runs(self, item, hits) -> dict[str, _Run]:
-        """The cached conditions under the contexts' current settings: native, then each mapper's."""
+        """The cached conditions under the contexts' current settings: native, then each mapper's.
+
+        A mapper's condition that decodes with a copy prior gets a control beside it, ``copy_only:<method>``: the
+        same rules over the same chunks' text, the pointer's words at equal mass, and a model that reads no context
+        cache (no context's). What it finds, the decoding finds from the text alone; the rest is the cache's."""
         runs = {NATIVE: self._native_run(item, hits)}
         for method, ctx in self.contexts.items():
-            runs[f"cache:{method}"] = self._cached_run(ctx, item, hits)
+            runs[f"cache:{method}"] = run = self._cached_run(ctx, item, hits)
+            if run.copy_prior is not None:
+                control = self._text_run(item, hits, with_context=False)
+                runs[f"{COPY_ONLY}:{method}"] = replace(control, copy_prior=run.copy_prior.evened())
         return runs
 
     def score(self, item, runs: dict[str, _Run], reference: torch.Tensor | None = None) -> dict[str, ConditionResult]:

@@ -72,7 +72,9 @@ def chunk_scores(scores: list[list[float]]) -> list[float]:
 
 def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, code_start: bool = False,
            anchor_pointer: bool | None = None, end_stops: bool | None = None,
-           first_weight: float | None = None) -> dict:
+           first_weight: float | None = None, without_cache: bool = False) -> dict:
+    """The served plain path's answer; `without_cache`: a control, the same copy prior (the chunks' text, the
+    pointer's words) over a model that reads the prompt head and the question only, no context cache."""
     lm = runner.lm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -86,9 +88,13 @@ def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, co
         prepared.copy_prior.end_stops = end_stops  # likewise (TextCopyPrior.end_stops)
     if first_weight is not None and prepared.copy_prior is not None:
         prepared.copy_prior.first_weight = first_weight  # likewise (the pointer's weight on the first token)
-    gen = generate(lm.model, lm.tokenizer, copy.deepcopy(prepared.cache), prepared.question_ids,
+    cache, first_logits = copy.deepcopy(prepared.cache), prepared.first_logits
+    if without_cache:
+        with ctx.assembler.model_lock:
+            cache, first_logits = ctx.assembler.direct_cache([]), None
+    gen = generate(lm.model, lm.tokenizer, cache, prepared.question_ids,
                    max_new_tokens=runner.max_new_tokens, stop_ids=stop_token_ids(lm.tokenizer),
-                   first_logits=prepared.first_logits, copy_prior=prepared.copy_prior)
+                   first_logits=first_logits, copy_prior=prepared.copy_prior)
     return {"answer": gen.text.strip(), "found": metrics.contains_answer(gen.text, item.answers),
             "f1": metrics.token_f1(gen.text, item.answers), "context_tokens": prepared.answer.context_tokens}
 

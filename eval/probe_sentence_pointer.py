@@ -21,9 +21,12 @@ retired: fewer found). With an "e" suffix a chunk's text that ends at a full sto
 (`PointerRules.wrapped`, `cag.selection.wrapped_sentence`): the index's sentences end at every newline, so in
 hard-wrapped essays the best one is a line and the answer often stands on the next. With a "t" suffix an
 answer copied up to a best sentence's final punctuation ends there (`PointerRules.sentence_stops`), as "e" ends
-it at a chunk's. An "s" suffix kept the model from stopping inside a clause of the context
-(`TextCopyPrior(words="clause")`, measured at commit 6bdeae9 and retired: more found, lower F1). A suffix "@W"
-sets the pointer's weight on the first token (served: 0.4, `pointer_heads.json`).
+it at a chunk's. Two controls measure what the translated cache itself adds to these rules: "u" gives the
+pointer's words equal mass (no head's attention), "n" answers with a model that reads no context cache at all,
+only the copy prior over the chunks' text; "un" is the rules alone, a text-only extractor. An "s" suffix kept
+the model from stopping inside a clause of the context (`TextCopyPrior(words="clause")`, measured at commit
+6bdeae9 and retired: more found, lower F1). A suffix "@W" sets the pointer's weight on the first token (served:
+0.4, `pointer_heads.json`).
 
 Each item is answered once per k on the served plain path (`CachedContext.prepare`: focus, copy prior 0.5,
 pointer head, the code start), nothing else changed. Items: the gate's calibration parts (30 lookups, 24 codes,
@@ -50,6 +53,21 @@ from cag.progress import Progress  # noqa: E402
 from eval.calibrate_copy_prior import append_row, read_rows, write_summary  # noqa: E402
 from eval.eval_chunk_dtype import paired_delta  # noqa: E402
 from eval.probe_focus import add_probe_args, answer, part_context, probe_run  # noqa: E402
+
+
+@contextlib.contextmanager
+def uniform_pointer(on: bool):
+    """A control: the pointer's words as chosen, each with the same mass (no head's attention read)."""
+    served = cag.copy_prior.pointer_starts
+    if on:
+        def even(*args, **kwargs):
+            starts = served(*args, **kwargs)
+            return {w: 1.0 / len(starts) for w in starts}
+        cag.copy_prior.pointer_starts = even
+    try:
+        yield
+    finally:
+        cag.copy_prior.pointer_starts = served
 
 
 @contextlib.contextmanager
@@ -139,16 +157,17 @@ def main(argv=None) -> int:
     ap.add_argument("--sentences", nargs="+", default=["0", "1", "2", "3"],
                     help="variants: k (CachedContext.pointer_sentences), with suffixes q: pointer_skips_question, "
                     "a: TextCopyPrior.anchor_pointer, e: TextCopyPrior.end_stops, w: PointerRules.wrapped, "
-                    "t: PointerRules.sentence_stops, @W: the pointer's weight on the "
+                    "t: PointerRules.sentence_stops, u: (control) the pointer's words at equal mass, n: (control) the "
+                    "model reads no context cache, @W: the pointer's weight on the "
                     "first token (served: pointer_heads.json's); the first is the baseline")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ablation", type=Path, nargs="+", help="print one table over these runs' rows "
                     "(variants: --sentences; steps: each variant against the first, and --steps) and stop")
     ap.add_argument("--steps", nargs="*", default=[], help="A>B pairs for --ablation")
     args = ap.parse_args(argv)
-    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?w?t?(@[0-9.]+)?", v)]
+    bad = [v for v in args.sentences if not re.fullmatch(r"\d+q?a?e?w?t?u?n?(@[0-9.]+)?", v)]
     if bad and not args.ablation:  # the ablation reads old rows too (c, s: the retired chunk scope and clause)
-        ap.error(f"variants are k followed by any of q, a, e, w, t in that order, then @W, got {bad}")
+        ap.error(f"variants are k followed by any of q, a, e, w, t, u, n in that order, then @W, got {bad}")
     if args.ablation:
         steps = [(args.sentences[0], v) for v in args.sentences[1:]] + [tuple(s.split(">")) for s in args.steps]
         print(ablation(args.ablation, args.sentences, steps), end="")
@@ -172,9 +191,9 @@ def main(argv=None) -> int:
                 for k in missing:
                     ctx.pointer_sentences, ctx.pointer_skips_question = int(re.match(r"\d+", k)[0]), "q" in k
                     weight = float(k.split("@")[1]) if "@" in k else None
-                    with rules_as(wrapped="w" in k, sentence_stops="t" in k):
+                    with rules_as(wrapped="w" in k, sentence_stops="t" in k), uniform_pointer("u" in k):
                         row["by_k"][k] = answer(runner, ctx, item, hits, args.copy_prior, anchor_pointer="a" in k,
-                                                end_stops="e" in k, first_weight=weight)
+                                                end_stops="e" in k, first_weight=weight, without_cache="n" in k)
                 append_row(rows_path, row)
                 done[(part, item.id)] = row
                 bar.advance(1)

@@ -291,3 +291,17 @@ def test_sentence_stops_end_an_answer_at_its_best_sentences_end_and_no_token_cro
     # an empty text is dropped, its spans with it
     assert TextCopyPrior(["", text], tok, 0.5, stop_ids=stops, sentence_stops=[[], best]).continuations(to_end) \
         == stopping.continuations(to_end)
+
+
+def test_the_evened_twin_gives_each_pointed_word_the_same_mass_and_starts_fresh(tiny):
+    from cag.copy_prior import TextCopyPrior
+
+    tok = tiny.tokenizer
+    text = "Guests sign in with prism-walnut-62 at the gate."
+    prior = TextCopyPrior([text], tok, 0.5, first={"prism-walnut-62": 0.9, "Guests": 0.1}, anchor_pointer=True)
+    prior._anchor = "prism-walnut-62"                                     # as after a first token
+    twin = prior.evened()
+    assert twin._word_mass == {"prism-walnut-62": 0.5, "Guests": 0.5} and twin._anchor is None
+    assert sum(twin._first.values()) == pytest.approx(1.0) and prior._word_mass["prism-walnut-62"] == 0.9
+    assert twin._texts == prior._texts and twin.anchor_pointer and twin.first_weight == prior.first_weight
+    assert TextCopyPrior([text], tok, 0.5).evened()._first == {}          # no pointer: none to even

@@ -66,6 +66,27 @@ def test_conditions_and_self_consistency(setup):
         base.target_model.tokenize(h.text)[0].numel() for h in base.document_hits(["d0"])])
 
 
+def test_a_copy_prior_condition_gets_its_text_only_control(setup):
+    from cag.context import CachedContext
+    from eval.harness import COPY_ONLY
+    from eval.run import build_eval_store
+    root, model, items = setup
+    build_eval_store(items, root / "store-copy", model, chunk_tokens=32, embedder=HashEmbedder())
+    base = CachedContext(store=root / "store-copy", target=model, mapper="identity", embedder=HashEmbedder(),
+                         dtype="float32")
+    copying = CachedContext(store=root / "store-copy", target=model, mapper="identity", embedder=HashEmbedder(),
+                            dtype="float32", copy_prior=0.5)
+    runner = ItemRunner(base, {"identity": copying}, max_new_tokens=6)
+    runs = runner.cache_runs(items[0], runner.hits_for(items[0]))
+    control = runs[f"{COPY_ONLY}:identity"]
+    assert control.context_tokens == 0 and control.cache.get_seq_length() == runs[NATIVE].context_span[0]
+    prior = runs["cache:identity"].copy_prior
+    assert control.copy_prior is not prior and control.copy_prior._texts == prior._texts   # the same text
+    results = runner.run(items[0])
+    assert f"{COPY_ONLY}:identity" in results and results[f"{COPY_ONLY}:identity"].context_tokens == 0
+    assert f"{COPY_ONLY}:identity" not in ItemRunner(base, {"identity": base}).run(items[0])  # no prior: none
+
+
 def test_run_eval_writes_report_and_resumes(setup, tmp_path):
     root, model, items = setup
     out = tmp_path / "out"

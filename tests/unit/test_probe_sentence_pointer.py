@@ -49,3 +49,16 @@ def test_a_variant_sets_the_served_rules_it_names_and_restores_them(tmp_path):
     assert cag.copy_prior.pointer_rules is served
     assert inside == cag.copy_prior.PointerRules(sentences=1, anchor=True)   # the rest as served
     assert served("fp", chosen).wrapped and served("fp", chosen).sentence_stops
+
+
+def test_the_uniform_pointer_control_keeps_the_words_and_evens_their_mass(monkeypatch):
+    import cag.copy_prior
+    from eval.probe_sentence_pointer import uniform_pointer
+
+    monkeypatch.setattr(cag.copy_prior, "pointer_starts", lambda *a, **k: {"cedar": 0.9, "the": 0.05, "x": 0.05})
+    served = cag.copy_prior.pointer_starts
+    with uniform_pointer(True):
+        assert cag.copy_prior.pointer_starts() == {"cedar": 1 / 3, "the": 1 / 3, "x": 1 / 3}
+    assert cag.copy_prior.pointer_starts is served
+    with uniform_pointer(False):
+        assert cag.copy_prior.pointer_starts is served                       # no control: the head's masses
