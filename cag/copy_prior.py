@@ -39,7 +39,7 @@ import copy
 import json
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -320,11 +320,9 @@ class PointerRules:
 
 
 def pointer_rules(fingerprint_id: str, path: Path | None = None) -> PointerRules:
+    """The target's entry read field by field (the file's keys are `PointerRules`' names), each as its type."""
     entry = _pointer_file(path or POINTER_FILE).get(fingerprint_id) or {}
-    return PointerRules(sentences=int(entry.get("sentences", 0)), skip_question=bool(entry.get("skip_question")),
-                        wrapped=bool(entry.get("wrapped")), sentence_stops=bool(entry.get("sentence_stops")),
-                        code_start=bool(entry.get("code_start")), anchor=bool(entry.get("anchor")),
-                        end_stops=bool(entry.get("end_stops")))
+    return PointerRules(**{f.name: type(f.default)(entry[f.name]) for f in fields(PointerRules) if f.name in entry})
 
 
 def bare_word(word: str) -> str:

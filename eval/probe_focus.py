@@ -80,14 +80,12 @@ def answer(runner: ItemRunner, ctx: CachedContext, item, hits, weight: float, co
         warnings.simplefilter("ignore")
         prepared = ctx.prepare(item.question, hits, max_new_tokens=runner.max_new_tokens, with_question=True,
                                copy_prior=weight)
-    if code_start and prepared.copy_prior is not None:
-        prepared.copy_prior.code_start = True  # an experiment on the served prior (TextCopyPrior.code_start)
-    if anchor_pointer is not None and prepared.copy_prior is not None:
-        prepared.copy_prior.anchor_pointer = anchor_pointer  # likewise (TextCopyPrior.anchor_pointer)
-    if end_stops is not None and prepared.copy_prior is not None:
-        prepared.copy_prior.end_stops = end_stops  # likewise (TextCopyPrior.end_stops)
-    if first_weight is not None and prepared.copy_prior is not None:
-        prepared.copy_prior.first_weight = first_weight  # likewise (the pointer's weight on the first token)
+    # experiments on the served prior: TextCopyPrior's attributes of these names, where given
+    overrides = {"code_start": code_start or None, "anchor_pointer": anchor_pointer, "end_stops": end_stops,
+                 "first_weight": first_weight}
+    for name, value in overrides.items():
+        if value is not None and prepared.copy_prior is not None:
+            setattr(prepared.copy_prior, name, value)
     cache, first_logits = copy.deepcopy(prepared.cache), prepared.first_logits
     if without_cache:
         with ctx.assembler.model_lock:
