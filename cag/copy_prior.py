@@ -1,7 +1,7 @@
 """Copy prior: the answer's next token also drawn from what follows its own tail in the context.
 
 A translated cache finds the right fact and spells it wrong ("Rousath Vrolsesun" for "Rousrath
-Vrolsesvun", "1800" for 1807: eval/results/eval-kc-plain-more/results.jsonl). The question's attention
+Vrolsesvun", "1800" for 1807: eval/results/eval-kc-plain-more/results.jsonl.gz). The question's attention
 lands on the fact, but copying a string exactly needs the keys right across the network's depth,
 which no map has reached (README, "Known limitations"). The context's tokens themselves are known
 exactly (the chunks' text), so decoding can take the induction step itself: find the longest suffix

@@ -40,8 +40,13 @@ BAR_F1 = 0.01
 
 
 def rows_of(folder: Path) -> dict[tuple[str, str], dict]:
+    """A run's rows by (question, target); an archived run keeps them gzipped (``results.jsonl.gz``)."""
+    import gzip
+
+    path = folder / "results.jsonl"
+    text = path.read_text() if path.exists() else gzip.decompress((folder / "results.jsonl.gz").read_bytes()).decode()
     rows = {}
-    for line in (folder / "results.jsonl").read_text().splitlines():
+    for line in text.splitlines():
         if line.strip():
             row = json.loads(line)
             rows[(row["item"], row["target"])] = row

@@ -1,5 +1,6 @@
 """eval/compare_runs.py: one condition of one run against one of another, paired by question."""
 
+import gzip
 import json
 
 import pytest
@@ -48,3 +49,13 @@ def test_refuses_runs_that_share_no_question_under_both_conditions(tmp_path, cap
                  "--json", str(tmp_path / "c.json")]) == 0
     assert "| kb | 1 | 0 | 1 |" in capsys.readouterr().out
     assert json.loads((tmp_path / "c.json").read_text())["datasets"]["kb"]["n"] == 1
+
+
+def test_reads_an_archived_run_whose_rows_are_gzipped(tmp_path):
+    _write(tmp_path / "a", [("q1", "t", "kb", {**REFS, "cache:mot": (0.0, -5.0, "no")})])
+    _write(tmp_path / "b", [("q1", "t", "kb", {**REFS, "cache:mot": (1.0, -1.0, "yes")})])
+    rows = tmp_path / "a" / "results.jsonl"
+    (tmp_path / "a" / "results.jsonl.gz").write_bytes(gzip.compress(rows.read_bytes()))
+    rows.unlink()
+    out = compare(tmp_path / "a", "cache:mot", tmp_path / "b", "cache:mot")["kb"]
+    assert out["n"] == 1 and out["found"] == [0.0, 1.0]
