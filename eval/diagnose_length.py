@@ -158,13 +158,16 @@ def translated_chunks(ctx: CachedContext, item, hits: list | None = None) -> tup
 
 
 def measurement_context(items: list, out: Path, source: str, target: str, method: str) -> CachedContext:
-    """A `source` store of the items' documents in OUT/store (256-token chunks, as `cag build` makes
-    them) and the query path over it, without LRU or gate: what these scripts measure."""
+    """A `source` store of the items' documents in OUT/store-<source> (256-token chunks, as `cag build`
+    makes them) and the query path over it, without LRU or gate: what these scripts measure. One
+    store per source: a store holds one source model's chunks, and pairs fitted into the same OUT
+    differ in their source."""
     from eval.run import build_eval_store
 
     out.mkdir(parents=True, exist_ok=True)
-    build_eval_store(items, out / "store", source, chunk_tokens=CHUNK_TOKENS, progress=True)
-    return CachedContext(store=out / "store", target=target, mapper=method, translation_cache_mb=0, min_retention=0)
+    store = out / f"store-{source}"
+    build_eval_store(items, store, source, chunk_tokens=CHUNK_TOKENS, progress=True)
+    return CachedContext(store=store, target=target, mapper=method, translation_cache_mb=0, min_retention=0)
 
 
 def pair_arguments(ap: argparse.ArgumentParser, *, n: int, lengths: list[int]) -> None:
