@@ -40,17 +40,13 @@ def compare(first: Path, first_cond: str, second: Path, second_cond: str, target
             groups[a[key]["meta"].get("dataset", "qa")].append((ra, rb))
     out = {}
     for dataset, pairs in sorted(groups.items()):
-        value = lambda side, cond, k: [float(p[side][cond][k]) for p in pairs]  # noqa: E731
+        found, ll = ([[float(p[side][cond][key]) for p in pairs] for side, cond in ((0, first_cond), (1, second_cond))]
+                     for key in ("found", "gold_log_likelihood"))
         same = {ref: sum(p[0][ref]["answer"] == p[1][ref]["answer"] for p in pairs if ref in p[0] and ref in p[1])
                 for ref in REFERENCES}
-        out[dataset] = {
-            "n": len(pairs), "same_reference_answers": same,
-            "found": [sum(value(0, first_cond, "found")), sum(value(1, second_cond, "found"))],
-            "gold_ll": [sum(v) / len(v) for v in (value(0, first_cond, "gold_log_likelihood"),
-                                                  value(1, second_cond, "gold_log_likelihood"))],
-            "d_found": paired_delta(value(0, first_cond, "found"), value(1, second_cond, "found")),
-            "d_gold_ll": paired_delta(value(0, first_cond, "gold_log_likelihood"),
-                                      value(1, second_cond, "gold_log_likelihood"))}
+        out[dataset] = {"n": len(pairs), "same_reference_answers": same,
+                        "found": [sum(v) for v in found], "gold_ll": [sum(v) / len(v) for v in ll],
+                        "d_found": paired_delta(*found), "d_gold_ll": paired_delta(*ll)}
     return out
 
 
