@@ -25,6 +25,10 @@ out), recorded under ``copy``: `cag.gate` refuses a path that passes on lookups 
 And on free questions about those essays (``--essay-n``, `eval.datasets.calibration_essay_gate_qa`,
 never fitted on), recorded under ``essays``: a path must keep them too.
 
+``--cards-only`` writes the mapper cards and leaves ``native_lookup.json`` as it is (and
+does not measure the source answering its own chunks): a run that adds one mapper should
+not move the gate's native records.
+
 Never point this at an evaluation set: the gate would then be tuned on it.
 """
 
@@ -109,6 +113,9 @@ def main(argv=None) -> int:
                     "beside the lookups; a path must pass on them too (0: not measured)")
     ap.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "gate")
     ap.add_argument("--no-write", action="store_true", help="measure only; leave cards and files alone")
+    ap.add_argument("--cards-only", action="store_true", help="write the translated paths' records to their "
+                    "mapper cards but leave native_lookup.json alone, and skip the source's own native path: the "
+                    "gate's native records stay the ones it was set with")
     ap.add_argument("--repair", type=float, default=0.0, help="measure the +repair paths: recompute this share "
                     "of context tokens, chosen by --repair-select")
     ap.add_argument("--repair-select", default="source")
@@ -128,7 +135,8 @@ def main(argv=None) -> int:
     cards = {str(folder): (folder, card) for folder, card in available_mappers()}
     report = []
     for source in args.sources:
-        targets = [t for t in args.targets if t != source] + [source]
+        # the source's own native path is measured for its native record, which --cards-only does not write
+        targets = [t for t in args.targets if t != source] + ([] if args.cards_only else [source])
         out = args.out / f"source-{source}"
         store = None
         repair = {"ratio": args.repair, "select": args.repair_select} if args.repair else None
@@ -174,9 +182,10 @@ def main(argv=None) -> int:
                                           copy_name), mine_essays, "native_cache", essay_name, "essays")
                 if repair:  # one record per setting measured: the gate serves the cheapest that passes
                     rec["repair"] = repair
-                    native[section][lm.fingerprint.id] = with_repair_record(
-                        native[section].get(lm.fingerprint.id), {"name": target, **rec})
-                else:
+                    if not args.cards_only:
+                        native[section][lm.fingerprint.id] = with_repair_record(
+                            native[section].get(lm.fingerprint.id), {"name": target, **rec})
+                elif not args.cards_only:
                     native[section][lm.fingerprint.id] = {"name": target, **rec}
                 report.append({"source": target, "target": target, "path": "native" + ("+repair" if repair else ""),
                                **rec})
@@ -209,7 +218,7 @@ def main(argv=None) -> int:
                         else:
                             fidelity["lookup"] = rec
                         write_card(folder, card)
-    if not args.no_write:  # merged into the file as it is now: another run may have written it meanwhile
+    if not (args.no_write or args.cards_only):  # merged into the file as it is now: another run may have written it meanwhile
         current = json.loads(native_path.read_text()) if native_path.is_file() else {}
         for section, records in native.items():
             if section != "repair":
