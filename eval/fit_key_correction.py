@@ -381,7 +381,11 @@ def record_lab(source: str, target: str, method: str, result_path: Path) -> int:
     from mappers.base import Mapper, load_mapper, write_card
 
     folder = ROOT / "mappers" / "pretrained" / f"{source}__{target}__{method}"
-    result = json.loads(result_path.read_text())
+    from eval.translation_lab import read_result
+
+    result = read_result(result_path.with_name(result_path.name.removesuffix(".gz")))
+    if result is None:
+        raise SystemExit(f"{result_path}: no such lab result")
     artifact = load_mapper(folder).artifact_id
     if artifact not in result.get("describe", ""):
         raise SystemExit(f"{result_path} scored {result.get('describe')!r}, not artifact {artifact}")

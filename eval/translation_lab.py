@@ -10,8 +10,8 @@ writes aligned rows and lookup items under ``$CAG_LAB`` (default
 variant (`eval/lab/variants.py`) from the rows and scores it on the held-out
 lookup items (`eval/lab/score.py`): found-rate, F1 and the gold answer's
 log-likelihood through the frozen target, KL against the native chunk cache, and
-attention diagnostics per layer. Results go to ``eval/results/lab/`` (one JSON
-per variant, resumable, and a table).
+attention diagnostics per layer. Results go to ``eval/results/lab/`` (one gzipped
+JSON per variant, resumable, and a table).
 
 Research code: only what wins here moves into `mappers/`.
 """
@@ -19,6 +19,7 @@ Research code: only what wins here moves into `mappers/`.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -31,6 +32,15 @@ from cag.models import registry  # noqa: E402
 from eval.lab import data  # noqa: E402
 
 RESULTS = ROOT / "eval" / "results" / "lab"
+
+
+def read_result(path: Path) -> dict | None:
+    """A scored variant's result, ``<name>.json`` or, once its per-item rows were compressed to keep the
+    repository under its size test, ``<name>.json.gz``; None when neither exists."""
+    gz = path.with_name(path.name + ".gz")
+    if gz.exists():
+        return json.loads(gzip.decompress(gz.read_bytes()))
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _models(args):
@@ -58,7 +68,7 @@ def cmd_run(args) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.variants:
         path = RESULTS / f"{args.source}__{args.target}" / f"{name}{args.tag}.json"
-        if path.exists() and not args.force:
+        if read_result(path) is not None and not args.force:
             print(f"lab: {name} already scored ({path}); --force to redo", file=sys.stderr)
             continue
         started = time.perf_counter()
@@ -70,7 +80,9 @@ def cmd_run(args) -> int:
                        "score_s": round(time.perf_counter() - fitted, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
                        "command": " ".join(["python", *sys.argv]), "train_rows": variant.train_rows})
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        path.with_name(path.name + ".gz").write_bytes(gzip.compress((json.dumps(result, indent=1) + "\n").encode(),
+                                                                 mtime=0))
+        path.unlink(missing_ok=True)  # a plain result of an earlier run of the same name (--force)
         print(score.one_line(result), file=sys.stderr)
     return cmd_report(args)
 
@@ -82,9 +94,9 @@ def cmd_export(args) -> int:
     source, target = _models(args)
     lab = data.lab_dir(args.source, args.target)
     scored = RESULTS / f"{args.source}__{args.target}" / f"{args.variant}{args.tag}.json"
-    if not scored.exists():
+    result = read_result(scored)
+    if result is None:
         raise SystemExit(f"{args.variant} has not been scored; run `translation_lab.py run --variants {args.variant}`")
-    result = json.loads(scored.read_text())
     variant = variants.make(args.variant, lab, source, target)
     mapper = variants.to_mapper(variant, source, target)
     mapper.fitted_on.update(variants.lab_provenance(lab))
@@ -103,7 +115,8 @@ def cmd_report(args) -> int:
     from eval.lab import score
 
     folder = RESULTS / f"{args.source}__{args.target}"
-    rows = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    names = sorted({p.name.removesuffix(".gz") for p in [*folder.glob("*.json"), *folder.glob("*.json.gz")]})
+    rows = [read_result(folder / name) for name in names]
     table = score.table(rows, args.source, args.target)
     (folder.parent / f"{args.source}__{args.target}.md").write_text(table)
     print(table)

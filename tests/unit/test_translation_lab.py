@@ -269,3 +269,24 @@ def test_mlp_starts_as_the_linear_variant_and_lowers_the_heldout_error_of_a_nonl
     best = min(h["heldout"] for h in history)
     assert best < 0.5 * history[0]["heldout"]          # it learns what no linear map of the inputs can
     assert set(state) >= {"w1", "b1", "w2", "b2", "x_mean", "x_sd"}
+
+
+def test_lab_results_read_alike_plain_or_gzipped_and_the_report_lists_each_variant_once(tmp_path, monkeypatch):
+    import gzip
+    import json
+
+    from eval import translation_lab
+
+    folder = tmp_path / "a__b"
+    folder.mkdir()
+    (folder / "plain.json").write_text(json.dumps({"variant": "plain"}))
+    (folder / "packed.json.gz").write_bytes(gzip.compress(json.dumps({"variant": "packed"}).encode()))
+    assert translation_lab.read_result(folder / "plain.json") == {"variant": "plain"}
+    assert translation_lab.read_result(folder / "packed.json") == {"variant": "packed"}
+    assert translation_lab.read_result(folder / "missing.json") is None
+    seen = []
+    monkeypatch.setattr(translation_lab, "RESULTS", tmp_path)
+    monkeypatch.setattr("eval.lab.score.table", lambda rows, s, t: seen.extend(rows) or "table\n")
+    translation_lab.main(["--source", "a", "--target", "b", "report"])
+    assert sorted(r["variant"] for r in seen) == ["packed", "plain"]
+    assert (tmp_path / "a__b.md").read_text() == "table\n"
