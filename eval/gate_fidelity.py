@@ -180,13 +180,11 @@ def main(argv=None) -> int:
             elif target == source or repair or lm.fingerprint.id not in native[section]:
                 rec = with_part(with_part(path_record(mine, "native_cache", items_name), mine_copy, "native_cache",
                                           copy_name), mine_essays, "native_cache", essay_name, "essays")
-                if repair:  # one record per setting measured: the gate serves the cheapest that passes
+                if repair:
                     rec["repair"] = repair
-                    if not args.cards_only:
-                        native[section][lm.fingerprint.id] = with_repair_record(
-                            native[section].get(lm.fingerprint.id), {"name": target, **rec})
-                elif not args.cards_only:
-                    native[section][lm.fingerprint.id] = {"name": target, **rec}
+                if not args.cards_only:  # with repair, one record per setting: the gate serves the cheapest that passes
+                    named, slot = {"name": target, **rec}, native[section].get(lm.fingerprint.id)
+                    native[section][lm.fingerprint.id] = with_repair_record(slot, named) if repair else named
                 report.append({"source": target, "target": target, "path": "native" + ("+repair" if repair else ""),
                                **rec})
             if target == source:
@@ -218,7 +216,8 @@ def main(argv=None) -> int:
                         else:
                             fidelity["lookup"] = rec
                         write_card(folder, card)
-    if not (args.no_write or args.cards_only):  # merged into the file as it is now: another run may have written it meanwhile
+    if not (args.no_write or args.cards_only):  # merged into the file as it is now: another run may have
+        # written it meanwhile
         current = json.loads(native_path.read_text()) if native_path.is_file() else {}
         for section, records in native.items():
             if section != "repair":

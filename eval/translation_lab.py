@@ -68,7 +68,7 @@ def cmd_run(args) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.variants:
         path = RESULTS / f"{args.source}__{args.target}" / f"{name}{args.tag}.json"
-        if read_result(path) is not None and not args.force:
+        if (path.exists() or path.with_name(path.name + ".gz").exists()) and not args.force:
             print(f"lab: {name} already scored ({path}); --force to redo", file=sys.stderr)
             continue
         started = time.perf_counter()
