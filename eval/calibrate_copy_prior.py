@@ -8,6 +8,7 @@ needles planted in the essays the translation lab holds out (seed 900), 36 free 
 Each question's cached paths (the translated one through `--method`, and the target's own chunks) are placed
 once, as `cag eval` places them (same retrieval, `eval.harness.ItemRunner`), and answered greedily at every
 weight from a copy of the placed cache. Weight 0 is the model alone and reproduces the gate's answers.
+`--paths control` adds `cag eval`'s text-only control: no context cache, the same rules over the same chunks' text.
 `--stores` reuses the stores a gate run built (its `source-<model>`, `-copy` and `-essays` folders); without
 it each part's store is built in OUT. Rows go to OUT/rows.jsonl as they finish, so a stopped run resumes;
 OUT/summary.json and summary.md hold found and F1 per weight, paired against weight 0.
@@ -206,7 +207,10 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="bottleneck", help="the translated path's mapper")
     ap.add_argument("--weights", type=float, nargs="+", default=[0.0, 0.2, 0.35, 0.5])
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    ap.add_argument("--paths", nargs="+", choices=("translated", "native"), default=["translated", "native"])
+    ap.add_argument("--paths", nargs="+", choices=("translated", "native", "control"),
+                    default=["translated", "native"],
+                    help="control: no context cache, the copy prior over the same chunks' text (cag eval's "
+                         "copy_only): what the rules find from the text alone")
     ap.add_argument("--unit", choices=("token", "text"), default="token", help="match the answer's suffix in the "
                     "context's tokens (TokenCopyPrior) or its characters (TextCopyPrior)")
     ap.add_argument("--stop-aware", action="store_true", help="the model keeps its own probability of ending "
@@ -278,9 +282,13 @@ def main(argv=None) -> int:
                 for path in todo:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        run = runner._cached_run(ctx, item, hits) if path == "translated" else \
-                            runner._native_run(item, hits)
-                    name = f"cache:{args.method}" if path == "translated" else NATIVE
+                        if path == "translated":
+                            run = runner._cached_run(ctx, item, hits)
+                        elif path == "native":
+                            run = runner._native_run(item, hits)
+                        else:  # no context cache; at weight 0 this is no context
+                            run = runner._text_run(item, hits, with_context=False)
+                    name = f"cache:{args.method}" if path == "translated" else NATIVE if path == "native" else "none"
                     by_weight = {f"{w:g}": answer_at(runner, name, run, prior(w), item.answers, stops)
                                  for w in weights}
                     row = {"part": part, "item": item.id, "path": path, "answers": list(item.answers),
