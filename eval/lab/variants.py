@@ -4,6 +4,7 @@ A variant's name is its recipe, levers joined by ``+``::
 
     shipped                 the mapper `auto` ships today (`mappers/pretrained`), for reference
     shipped-<method>        the shipped artifact of one method (a refit is scored before `auto` ranks it)
+    shipped[-<method>]+nat<m>  the same with the target's own first m layers over the context
     ridge                   one ridge map from all source layers' K and V (standardised) to every
                             target layer's K and V, full rank
     pca<r>                  the same through a shared per-token bottleneck: the top r principal
@@ -457,19 +458,24 @@ def reduce_rank(basis: Basis, coef: torch.Tensor, r: int,
 class ShippedVariant(Variant):
     """What `mapper="auto"` (or one shipped method) translates the source's own chunk with."""
 
-    def __init__(self, source, target, method: str = "auto") -> None:
+    def __init__(self, source, target, method: str = "auto", native_layers: int = 0) -> None:
         from cag.mapping import resolve_mapper
 
-        self.source, self.asked = source, method
+        self.source, self.asked, self.native_layers = source, method, native_layers
         self.mapper = resolve_mapper(method, source.fingerprint, target)
 
     def describe(self) -> str:
-        return f"shipped {self.asked} mapper: {self.mapper.method} ({self.mapper.artifact_id})"
+        return (f"shipped {self.asked} mapper: {self.mapper.method} ({self.mapper.artifact_id})"
+                + (f", first {self.native_layers} target layers native" if self.native_layers else ""))
 
     def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.source.prefill(item["text"])
         out = self.mapper.translate(chunk, item["text"], target)
-        return out.keys.float(), out.values.float()
+        keys, values = out.keys.float(), out.values.float()
+        if self.native_layers:  # the partial-native curve on the map `auto` serves (`+nat<m>`)
+            m = self.native_layers
+            keys[:m], values[:m] = item["native_keys"][:m], item["native_values"][:m]
+        return keys, values
 
 
 TOK_LAMBDAS = (1e-2, 1e-1, 1.0)
@@ -642,10 +648,14 @@ _LEVER = re.compile(r"^(h|qw|match|ks[0-9.]+|nat[0-9]+|tok[0-9]*|mlp[0-9]+|cal)$
 
 
 def make(name: str, lab: Path, source, target) -> Variant:
-    if name == "shipped":
-        return ShippedVariant(source, target)
-    if name.startswith("shipped-"):
-        return ShippedVariant(source, target, name.split("-", 1)[1])
+    if name == "shipped" or name.startswith(("shipped-", "shipped+")):
+        shipped, *levers = name.split("+")
+        if any(not re.fullmatch(r"nat[0-9]+", lv) for lv in levers):
+            raise ValueError(f"a shipped mapper takes only +nat<m> (in {name!r})")
+        native = next((int(lv[3:]) for lv in levers), 0)
+        if not 0 <= native <= target.fingerprint.num_layers:
+            raise ValueError(f"+nat{native}: {target.fingerprint.num_layers} target layers (in {name!r})")
+        return ShippedVariant(source, target, shipped.split("-", 1)[1] if "-" in shipped else "auto", native)
     base, *levers = name.split("+")
     rank = output_rank = None
     if re.fullmatch(r"pca[0-9]+", base):

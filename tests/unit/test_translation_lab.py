@@ -106,6 +106,32 @@ def test_variant_names_parse_and_unknown_levers_are_refused():
         variants.make("lasso", None, None, None)
 
 
+def test_a_shipped_map_takes_native_first_layers_and_nothing_else(monkeypatch):
+    from types import SimpleNamespace
+
+    import cag.mapping
+
+    with pytest.raises(ValueError, match="only \\+nat"):
+        variants.make("shipped-bottleneck+cal", None, None, None)
+    target = SimpleNamespace(fingerprint=SimpleNamespace(num_layers=4))
+    with pytest.raises(ValueError, match="4 target layers"):
+        variants.make("shipped+nat5", None, None, target)
+    translated = torch.ones(4, 2, 3, 8), 2 * torch.ones(4, 2, 3, 8)
+    mapper = SimpleNamespace(method="bottleneck", artifact_id="x",
+                             translate=lambda chunk, text, tgt: SimpleNamespace(keys=translated[0].clone(),
+                                                                                values=translated[1].clone()))
+    asked = []
+    monkeypatch.setattr(cag.mapping, "resolve_mapper", lambda method, fp, tgt: asked.append(method) or mapper)
+    source = SimpleNamespace(fingerprint=None, prefill=lambda text: None)
+    item = {"text": "t", "native_keys": torch.zeros(4, 2, 3, 8), "native_values": -torch.ones(4, 2, 3, 8)}
+    keys, values = variants.make("shipped-bottleneck+nat3", None, source, target).translate(item, target)
+    assert asked == ["bottleneck"]
+    assert torch.equal(keys[:3], item["native_keys"][:3]) and torch.equal(values[:3], item["native_values"][:3])
+    assert torch.equal(keys[3:], translated[0][3:]) and torch.equal(values[3:], translated[1][3:])
+    keys, _ = variants.make("shipped", None, source, target).translate(item, target)
+    assert asked[-1] == "auto" and torch.equal(keys, translated[0])
+
+
 def test_randomized_top_eigenpairs_match_the_full_decomposition():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(500, 60, generator=g) * torch.logspace(1, -1, 60)
