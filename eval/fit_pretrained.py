@@ -3,6 +3,11 @@
     python eval/fit_pretrained.py [--methods ridge latent heterofold mot] [--words 12000]
                                   [--pairs smollm2-135m:qwen2.5-0.5b ...] [--set KEY=JSON ...]
     python eval/fit_pretrained.py --remeasure --words 12000     # every card on the same held-out texts
+    python eval/fit_pretrained.py --methods bottleneck [--pairs ...] [--run]   # the lab maps `auto` picks
+
+The lab's bottleneck maps are refitted by a chain of resumable lab tools, not by `fit_mapper`:
+`--methods bottleneck` prints each pair's chain as its shipped card records it (`eval/lab/recipe.py`), and
+runs it with `--run` (hours per pair on 2 cores, several GB of lab data each under $CAG_LAB).
 
 Writes `mappers/pretrained/<source>__<target>__<method>/` (weights + card with fidelity)
 and `eval/results/mappers.md` (a table of what was fitted, how long it took and how
@@ -19,6 +24,9 @@ import itertools
 import json
 import os
 import platform
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -45,12 +53,19 @@ def main() -> None:
                              "(those of this --words setting), so that their cards, and mapper='auto', "
                              "compare like with like")
     parser.add_argument("--table-only", action="store_true", help="only rebuild the table from the shipped cards")
+    parser.add_argument("--run", action="store_true", help="--methods bottleneck: run the printed commands "
+                        "(else only print them)")
     args = parser.parse_args()
+    pairs = [tuple(p.split(":")) for p in args.pairs] if args.pairs else list(itertools.permutations(MODELS, 2))
+    if "bottleneck" in args.methods:
+        refit_bottleneck(pairs, run=args.run)
+        args.methods = [m for m in args.methods if m != "bottleneck"]
+        if not args.methods:
+            return
     if args.table_only:
         write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} "
                     f"--methods {' '.join(args.methods)}")
         return
-    pairs = [tuple(p.split(":")) for p in args.pairs] if args.pairs else list(itertools.permutations(MODELS, 2))
     texts = calibration_sample(args.words)
     words = sum(len(t.split()) for t in texts)
     settings = parse_settings(args.set)
@@ -71,6 +86,24 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     write_table(rows_from_cards(), f"python eval/fit_pretrained.py --words {args.words} "
                 f"--methods {' '.join(args.methods)}" + "".join(f" --set {s}" for s in args.set))
+
+
+def refit_bottleneck(pairs, run: bool) -> None:
+    """Each pair's lab recipe (`eval.lab.recipe`), read from its shipped card: printed, and run in order with
+    `run`. Every step resumes where it stopped, so a stopped refit is continued by running it again."""
+    from eval.lab.recipe import card_recipe
+
+    for source, target in pairs:
+        folder = ROOT / "mappers/pretrained" / f"{source}__{target}__bottleneck"
+        if not (folder / "card.json").is_file():
+            raise SystemExit(f"no shipped bottleneck map for {source} -> {target} ({folder})")
+        steps = card_recipe(folder, python=sys.executable if run else "python")
+        print(f"# {source} -> {target}: {len(steps)} steps", flush=True)
+        for i, argv in enumerate(steps, 1):
+            print(shlex.join(argv), flush=True)
+            if run:
+                print(f"fit_pretrained: {source} -> {target}, step {i} of {len(steps)}", file=sys.stderr, flush=True)
+                subprocess.run(argv, cwd=ROOT, check=True)
 
 
 def remeasure(pairs, loaded, texts, n_texts: int = 8) -> None:

@@ -100,6 +100,7 @@ def cmd_export(args) -> int:
     variant = variants.make(args.variant, lab, source, target)
     mapper = variants.to_mapper(variant, source, target)
     mapper.fitted_on.update(variants.lab_provenance(lab))
+    mapper.fitted_on["lab_variant"] = args.variant  # what a refit exports again (eval/lab/recipe.py)
     mapper.fidelity["lab_lookup"] = {k: result[k] for k in ("split", "n", "found", "native_found", "no_context_found",
                                                             "gold_ll", "native_gold_ll", "no_context_gold_ll",
                                                             "kl_native", "found_vs_native")}

@@ -316,3 +316,60 @@ def test_lab_results_read_alike_plain_or_gzipped_and_the_report_lists_each_varia
     translation_lab.main(["--source", "a", "--target", "b", "report"])
     assert sorted(r["variant"] for r in seen) == ["packed", "plain"]
     assert (tmp_path / "a__b.md").read_text() == "table\n"
+
+
+def test_the_refit_recipe_follows_the_card_in_order():
+    from eval.lab import recipe
+
+    assert recipe.lab_variant({"rank": 352, "token_residual": True, "token_window": 2}) == "rrr352+match+tok+cal"
+    assert recipe.lab_variant({"rank": 288, "token_residual": True, "token_window": 1}) == "rrr288+match+tok1+cal"
+    assert recipe.lab_variant({"rank": 512, "token_residual": False}) == "rrr512+match+cal"
+    with pytest.raises(ValueError, match="not a bottleneck"):
+        recipe.recipe({"method": "mot"})
+    card = {"method": "bottleneck", "source": {"name": "smollm2-135m"}, "target": {"name": "qwen2.5-0.5b"},
+            "settings": {"rank": 352, "token_residual": True, "token_window": 2},
+            "fitted_on": {"spread_matched": True,
+                          "key_correction": {"command": "python eval/fit_key_correction.py --target qwen2.5-0.5b "
+                                                        "--lookups 384 --tag .plain"},
+                          "repair_key_correction": {"command": "python eval/fit_key_correction.py --target "
+                                                               "qwen2.5-0.5b --repair 0.1 --tag .crux"}},
+            "fidelity": {"lookup": {"command": "python eval/gate_fidelity.py --sources smollm2-135m --targets "
+                                               "qwen2.5-0.5b --methods mot bottleneck --out old"},
+                         "lookup_repair": [{"command": "python eval/gate_fidelity.py --methods bottleneck "
+                                                       "--repair 0.13 --out old2"}],
+                         "rank_key_decay": {"command": "python eval/calibrate_rank_decay.py --targets qwen2.5-0.5b "
+                                                       "gemma3-270m --mapper bottleneck"}}}
+    steps = [" ".join(s) for s in recipe.recipe(card)]
+    lab = "python eval/translation_lab.py --source smollm2-135m --target qwen2.5-0.5b"
+    kc = "python eval/fit_key_correction.py --source smollm2-135m --target qwen2.5-0.5b"
+    assert steps == [
+        f"{lab} build --tokens 300000",
+        f"{lab} run --variants rrr352+match+tok+cal --n 40",
+        f"{lab} export --variant rrr352+match+tok+cal",
+        f"{kc} --lookups 384 --tag .plain", f"{kc} --lookups 384 --tag .plain --export",       # the plain path's first
+        f"{kc} --repair 0.1 --tag .crux", f"{kc} --repair 0.1 --tag .crux --export",
+        f"{lab} run --variants shipped-bottleneck --n 40 --tag @refit",
+        f"{kc} --record-lab eval/results/lab/smollm2-135m__qwen2.5-0.5b/shipped-bottleneck@refit.json",
+        "python eval/gate_fidelity.py --sources smollm2-135m --targets qwen2.5-0.5b --methods bottleneck --out "
+        "eval/results/gate-refit/smollm2-135m__qwen2.5-0.5b --cards-only",                     # fresh folder
+        "python eval/gate_fidelity.py --methods bottleneck --repair 0.13 --out "
+        "eval/results/gate-refit/smollm2-135m__qwen2.5-0.5b-repair1 --cards-only",
+        "python eval/calibrate_rank_decay.py --targets qwen2.5-0.5b --mapper bottleneck",      # this pair's only
+    ]
+
+
+def test_every_shipped_bottleneck_card_has_a_recipe_of_its_own_rank():
+    import json
+    from pathlib import Path
+
+    from eval.lab import recipe
+
+    cards = sorted(Path(__file__).resolve().parents[2].glob("mappers/pretrained/*__bottleneck/card.json"))
+    assert len(cards) == 6
+    for path in cards:
+        card = json.loads(path.read_text())
+        steps = recipe.recipe(card)
+        export = next(s for s in steps if "export" in s and "--variant" in s)
+        assert export[export.index("--variant") + 1].startswith(f"rrr{card['settings']['rank']}+")
+        assert any("--record-lab" in s for s in steps) and any("gate_fidelity.py" in " ".join(s) for s in steps)
+        assert (card["source"]["name"], card["target"]["name"]) in recipe.LAB_TOKENS
