@@ -10,6 +10,7 @@
     cag query "QUESTION" --store DIR [--target MODEL] [--mapper M] [--top-k K] [--recompute R] [--direct] [--json]
     cag fit --source A --target B --method ridge|latent|heterofold|mot [--tokens N] [--set K=JSON] [--out DIR]
     cag mappers list [--json]
+    cag gate [--source MODEL...] [--target MODEL...] [--mapper M] [--min-retention R] [--json]
     cag eval (--dataset NAME... | --qa FILE) [--store DIR] [--targets ...] [--methods ...] [--profile quick|full]
     cag bench [--targets ...] [--lengths ...] [--methods ...] [--repeats N] [--json]
     cag demo [--store DIR] [--corpus DIR --questions FILE] [--json]
@@ -605,6 +606,74 @@ def mappers_list(as_json: JsonFlag = False) -> None:
         table.add_row(r["source"], r["target"], r["method"], f"{r['bytes'] / 1e6:.1f}",
                       *(_fmt(r[k]) if r[k] is not None else "–"
                         for k in ("kl", "kl_no_context", "top1", "key_r2", "value_r2", "attn_cos")))
+    out.print(table)
+
+
+@app.command("gate")
+def gate_cmd(
+    source: Annotated[list[str] | None, typer.Option("--source", help="Store's source model (repeatable; "
+                                                     "default: every packaged model).")] = None,
+    target: Annotated[list[str] | None, typer.Option("--target", help="Answering model (repeatable; "
+                                                     "default: every packaged model).")] = None,
+    mapper: Annotated[str, typer.Option(help="auto, a method, or an artifact folder.")] = "auto",
+    min_retention: Annotated[float, typer.Option(help="The gate's least found-rate retention against direct "
+                                                 "context (as `cag query`).", min=0.0, max=1.0)]
+    = DEFAULT_MIN_RETENTION,
+    as_json: JsonFlag = False,
+) -> None:
+    """Which serving path the quality gate picks for each source → target pair, and why: from the shipped
+    records alone, before any store is built (`cag query` says the same per answer)."""
+    from cag.gate import GateDecision, PathFidelity, candidates_for, choose_path
+    from cag.mapping import MapperNotFoundError, MapperRetiredError, resolve_mapper
+
+    sources, targets = _names(source), _names(target)
+    loaded = {}
+    for name in dict.fromkeys([*sources, *targets]):
+        err.print(f"[dim]loading {name}[/]")
+        try:
+            loaded[name] = registry.load(name)
+        except Exception as e:  # not installed, a broken folder: say which model, then stop
+            raise _fail(f"{name}: {e}") from None
+    rows = []
+    for s in sources:
+        for t in targets:
+            try:
+                chosen = resolve_mapper(mapper, loaded[s].fingerprint, loaded[t])
+            except MapperRetiredError as e:
+                raise _fail(str(e)) from None
+            except MapperNotFoundError as e:  # as a store of this pair is served: direct context
+                decision = GateDecision("direct", PathFidelity("direct"),
+                                        str(e).split(". ")[0] + ": prefilling the text", ())
+                chosen, candidates = None, []
+            else:
+                candidates = candidates_for(chosen, loaded[t].fingerprint.id, t)
+                decision = choose_path(candidates, min_retention, "direct")
+            rows.append({"source": s, "target": t,
+                         "mapper": None if chosen is None else getattr(chosen, "artifact_id", chosen.method),
+                         "method": None if chosen is None else chosen.method,
+                         "path": decision.path, "served": decision.fidelity.label, "reason": decision.reason,
+                         "rejected": [{"path": p, "why": w} for p, w in decision.rejected],
+                         "candidates": [{"path": c.label, "lookups": c.found_retention,
+                                         "codes": c.copy_found_retention, "essays": c.essay_found_retention}
+                                        for c in candidates]})
+    if as_json:
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return
+
+    def retention(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}"
+
+    table = Table(title=f"quality gate: the served path per pair (min retention {min_retention:g}; "
+                  "`--json` for the reasons)")
+    for col in ("source", "target", "mapper", "served", "cached paths: retention on lookups / codes / essays"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        mapper_name = f"{r['method']} {r['mapper']}" if r["method"] not in (None, "identity") else (r["method"] or "–")
+        paths = "\n".join(f"{c['path']}: " + ("not measured" if c["lookups"] is None else
+                                               f"{retention(c['lookups'])} / {retention(c['codes'])} / "
+                                               f"{retention(c['essays'])}") for c in r["candidates"]) or r["reason"]
+        table.add_row(r["source"], r["target"], mapper_name, r["served"], paths)
     out.print(table)
 
 

@@ -326,8 +326,7 @@ class CachedContext(BaseModel):
     @property
     def decision(self) -> GateDecision:
         """The gate's choice of serving path for this store's source and this target (see `cag.gate`)."""
-        from cag.gate import (PathFidelity, choose_path, native_fidelity, native_repair_fidelities,
-                              translated_fidelity, translated_repair_fidelities)
+        from cag.gate import PathFidelity, candidates_for, choose_path
         from cag.mapping import MapperNotFoundError
 
         with self._setup_lock:
@@ -346,13 +345,7 @@ class CachedContext(BaseModel):
                                         (("translated", missing),))
                 self._decision = (source.id, decision)
                 return decision
-            if mapper.method == "identity":
-                candidates = [native_fidelity(lm.fingerprint.id, lm.name),
-                              *native_repair_fidelities(lm.fingerprint.id, lm.name)]
-            else:
-                card = {"method": mapper.method, "fidelity": mapper.fidelity}
-                name = getattr(mapper, "artifact_id", mapper.method)
-                candidates = [translated_fidelity(card, name), *translated_repair_fidelities(card, name)]
+            candidates = candidates_for(mapper, lm.fingerprint.id, lm.name)
             if self.recompute_ratio > 0:
                 # The caller chose a recompute: the gate judges the path as configured, and a
                 # +repair record only speaks for the setting it was measured with.

@@ -200,6 +200,16 @@ def choose_path(candidates: list[PathFidelity], min_retention: float, fallback: 
     return GateDecision("direct", PathFidelity("direct"), why, tuple(rejected))
 
 
+def candidates_for(mapper: Any, target_id: str, target_name: str = "") -> list[PathFidelity]:
+    """The serving paths the gate weighs for chunks read through `mapper` by the target, fastest first: the
+    target's own chunks (and their +repair records) for the identity mapper, else the mapper card's records."""
+    if mapper.method == "identity":
+        return [native_fidelity(target_id, target_name), *native_repair_fidelities(target_id, target_name)]
+    card = {"method": mapper.method, "fidelity": mapper.fidelity}
+    name = getattr(mapper, "artifact_id", mapper.method)
+    return [translated_fidelity(card, name), *translated_repair_fidelities(card, name)]
+
+
 def repair_cost(fidelity: PathFidelity) -> tuple[float, int]:
     """Sort key of +repair records, cheapest first: the share recomputed, then the choice's cost."""
     rec = fidelity.repair or {}
