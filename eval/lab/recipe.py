@@ -35,6 +35,20 @@ LAB_TOKENS = {
 }
 LAB_N = 40  # the lab's held-out needles every shipped map was scored on
 
+# Plain-path key corrections continued over several fits, each from the artifact the one before exported, keyed by
+# the artifact they made. Its card names the last command only: the chain is not part of the card, so adding it there
+# would change the artifact's id, which its gate records were measured under (eval/results/gate-kc-essays-qwen-gemma).
+KEY_CORRECTION_CHAINS = {
+    "0a42f674953d96a2": [  # Qwen2.5 -> Gemma-3, twenty-third session
+        "python eval/fit_key_correction.py --source qwen2.5-0.5b --target gemma3-270m --lengths 1024 2048 --n 24 "
+        "--rank 8 --epochs 4",
+        "python eval/fit_key_correction.py --source qwen2.5-0.5b --target gemma3-270m --lengths 1024 2048 --n 24 "
+        "--material facts codes --lookups 96 --epochs 4 --teach-stop --tag .lookups96",
+        "python eval/fit_key_correction.py --source qwen2.5-0.5b --target gemma3-270m --lengths 1024 2048 --n 24 "
+        "--material facts codes --lookups 96 --essay-questions -1 --epochs 4 --teach-stop --tag .lookups96-essays",
+    ],
+}
+
 
 def lab_variant(settings: dict, spread_matched: bool = True) -> str:
     """The lab's name for the linear map a bottleneck artifact holds (`eval/lab/variants.py`): reduced-rank
@@ -60,8 +74,9 @@ def _with(argv: list[str], flag: str, values: list[str]) -> list[str]:
     return [*argv[:i], *values, *argv[j:]]
 
 
-def recipe(card: dict, python: str = "python") -> list[list[str]]:
-    """Every command that refits the bottleneck map of `card`, in order, as argv lists (`python` first)."""
+def recipe(card: dict, python: str = "python", artifact_id: str | None = None) -> list[list[str]]:
+    """Every command that refits the bottleneck map of `card`, in order, as argv lists (`python` first).
+    `artifact_id`: the card's artifact, whose key correction may be a chain of fits (`KEY_CORRECTION_CHAINS`)."""
     if card.get("method") != "bottleneck":
         raise ValueError(f"not a bottleneck card: method {card.get('method')!r}")
     source, target = card["source"]["name"], card["target"]["name"]
@@ -78,11 +93,15 @@ def recipe(card: dict, python: str = "python") -> list[list[str]]:
         record = fitted.get(key)
         if not record:
             continue
-        argv = shlex.split(record["command"])
-        argv[0] = python
-        if "--source" not in argv:  # commands of the first labs left the default source (SmolLM2) implicit
-            argv[2:2] = ["--source", source]
-        steps += [argv, [*argv, "--export"]]
+        # A correction continued over several fits (each starts from the artifact the one before exported) is
+        # replayed fit by fit; else its one command is the whole of it.
+        chain = KEY_CORRECTION_CHAINS.get(artifact_id or "") if key == "key_correction" else None
+        for command in chain or [record["command"]]:
+            argv = shlex.split(command)
+            argv[0] = python
+            if "--source" not in argv:  # commands of the first labs left the default source (SmolLM2) implicit
+                argv[2:2] = ["--source", source]
+            steps += [argv, [*argv, "--export"]]
     result = f"eval/results/lab/{source}__{target}/shipped-bottleneck@refit.json"
     steps += [[*lab, "run", "--variants", "shipped-bottleneck", "--n", str(LAB_N), "--tag", "@refit"],
               [python, "eval/fit_key_correction.py", *pair, "--record-lab", result]]
@@ -109,4 +128,6 @@ def recipe(card: dict, python: str = "python") -> list[list[str]]:
 def card_recipe(folder: Path, python: str = "python") -> list[list[str]]:
     import json
 
-    return recipe(json.loads((folder / "card.json").read_text()), python)
+    from mappers.base import load_mapper
+
+    return recipe(json.loads((folder / "card.json").read_text()), python, load_mapper(folder).artifact_id)

@@ -373,3 +373,8 @@ def test_every_shipped_bottleneck_card_has_a_recipe_of_its_own_rank():
         assert export[export.index("--variant") + 1].startswith(f"rrr{card['settings']['rank']}+")
         assert any("--record-lab" in s for s in steps) and any("gate_fidelity.py" in " ".join(s) for s in steps)
         assert (card["source"]["name"], card["target"]["name"]) in recipe.LAB_TOKENS
+    # a correction continued over three fits is replayed fit by fit, each exported before the next starts
+    steps = [" ".join(s) for s in recipe.card_recipe(cards[0].parent.parent / "qwen2.5-0.5b__gemma3-270m__bottleneck")]
+    fits = [s for s in steps if "fit_key_correction.py" in s and "--record-lab" not in s]
+    assert len(fits) == 6 and all(b == a + " --export" for a, b in zip(fits[::2], fits[1::2]))
+    assert ".lookups96 " in fits[2] + " " and fits[-1].endswith(".lookups96-essays --export")
