@@ -623,7 +623,7 @@ def gate_cmd(
 ) -> None:
     """Which serving path the quality gate picks for each source → target pair, and why: from the shipped
     records alone, before any store is built (`cag query` says the same per answer)."""
-    from cag.gate import GateDecision, PathFidelity, candidates_for, choose_path
+    from cag.gate import candidates_for, choose_path, no_mapper
     from cag.mapping import MapperNotFoundError, MapperRetiredError, resolve_mapper
 
     sources, targets = _names(source), _names(target)
@@ -642,9 +642,7 @@ def gate_cmd(
             except MapperRetiredError as e:
                 raise _fail(str(e)) from None
             except MapperNotFoundError as e:  # as a store of this pair is served: direct context
-                decision = GateDecision("direct", PathFidelity("direct"),
-                                        str(e).split(". ")[0] + ": prefilling the text", ())
-                chosen, candidates = None, []
+                decision, chosen, candidates = no_mapper(e), None, []
             else:
                 candidates = candidates_for(chosen, loaded[t].fingerprint.id, t)
                 decision = choose_path(candidates, min_retention, "direct")

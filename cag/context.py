@@ -326,7 +326,7 @@ class CachedContext(BaseModel):
     @property
     def decision(self) -> GateDecision:
         """The gate's choice of serving path for this store's source and this target (see `cag.gate`)."""
-        from cag.gate import PathFidelity, candidates_for, choose_path
+        from cag.gate import candidates_for, choose_path, no_mapper
         from cag.mapping import MapperNotFoundError
 
         with self._setup_lock:
@@ -340,9 +340,7 @@ class CachedContext(BaseModel):
             except MapperNotFoundError as exc:
                 if self.fallback == "raise":
                     raise
-                missing = str(exc).split(". ")[0]
-                decision = GateDecision("direct", PathFidelity("direct"), missing + ": prefilling the text",
-                                        (("translated", missing),))
+                decision = no_mapper(exc)
                 self._decision = (source.id, decision)
                 return decision
             candidates = candidates_for(mapper, lm.fingerprint.id, lm.name)

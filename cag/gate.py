@@ -200,6 +200,12 @@ def choose_path(candidates: list[PathFidelity], min_retention: float, fallback: 
     return GateDecision("direct", PathFidelity("direct"), why, tuple(rejected))
 
 
+def no_mapper(exc: Exception) -> GateDecision:
+    """Direct context for a pair no mapper translates (`MapperNotFoundError`), saying which is missing."""
+    missing = str(exc).split(". ")[0]
+    return GateDecision("direct", PathFidelity("direct"), missing + ": prefilling the text", (("translated", missing),))
+
+
 def candidates_for(mapper: Any, target_id: str, target_name: str = "") -> list[PathFidelity]:
     """The serving paths the gate weighs for chunks read through `mapper` by the target, fastest first: the
     target's own chunks (and their +repair records) for the identity mapper, else the mapper card's records."""

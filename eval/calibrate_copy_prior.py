@@ -283,12 +283,11 @@ def main(argv=None) -> int:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
                         if path == "translated":
-                            run = runner._cached_run(ctx, item, hits)
+                            run, name = runner._cached_run(ctx, item, hits), f"cache:{args.method}"
                         elif path == "native":
-                            run = runner._native_run(item, hits)
+                            run, name = runner._native_run(item, hits), NATIVE
                         else:  # no context cache; at weight 0 this is no context
-                            run = runner._text_run(item, hits, with_context=False)
-                    name = f"cache:{args.method}" if path == "translated" else NATIVE if path == "native" else "none"
+                            run, name = runner._text_run(item, hits, with_context=False), "none"
                     by_weight = {f"{w:g}": answer_at(runner, name, run, prior(w), item.answers, stops)
                                  for w in weights}
                     row = {"part": part, "item": item.id, "path": path, "answers": list(item.answers),

@@ -380,10 +380,7 @@ class LinearVariant(Variant):
         y[~item["has_source"]] = self.my
         fp = target.fingerprint
         keys, values = data.split_target(y, fp.num_layers, fp.num_kv_heads)
-        if self.native_layers:
-            m = self.native_layers
-            keys[:m], values[:m] = item["native_keys"][:m], item["native_values"][:m]
-        return keys, values
+        return with_native_first(keys, values, item, self.native_layers)
 
 
 def output_weights(basis: Basis, num_layers: int, key_energy: torch.Tensor | None = None) -> torch.Tensor:
@@ -455,6 +452,13 @@ def reduce_rank(basis: Basis, coef: torch.Tensor, r: int,
     return inner @ out, basis.to_features(inner).contiguous(), out.contiguous()
 
 
+def with_native_first(keys: torch.Tensor, values: torch.Tensor, item: dict, m: int):
+    """The target's own first `m` layers of the item's chunk in place of the translated ones (`+nat<m>`)."""
+    if m:
+        keys[:m], values[:m] = item["native_keys"][:m], item["native_values"][:m]
+    return keys, values
+
+
 class ShippedVariant(Variant):
     """What `mapper="auto"` (or one shipped method) translates the source's own chunk with."""
 
@@ -471,11 +475,7 @@ class ShippedVariant(Variant):
     def translate(self, item: dict, target) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.source.prefill(item["text"])
         out = self.mapper.translate(chunk, item["text"], target)
-        keys, values = out.keys.float(), out.values.float()
-        if self.native_layers:  # the partial-native curve on the map `auto` serves (`+nat<m>`)
-            m = self.native_layers
-            keys[:m], values[:m] = item["native_keys"][:m], item["native_values"][:m]
-        return keys, values
+        return with_native_first(out.keys.float(), out.values.float(), item, self.native_layers)
 
 
 TOK_LAMBDAS = (1e-2, 1e-1, 1.0)
